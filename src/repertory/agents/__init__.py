@@ -1,0 +1,158 @@
+"""Agents: who acts in a seat. A batch of requests in, a batch of responses out.
+
+The rollout engine gathers every pending request of every running episode, groups them by agent
+and makes one ``act`` call per agent per tick, so an agent that serves many seats (a language
+model in self-play) answers all of them in one batch. Agent specs on the command line:
+
+- a bot name of the environment (``tit-for-tat``, ``greedy``, ...; ``repertory envs`` lists them);
+- ``script:FILE``: replays one response per line of FILE for each seat of each episode, from the
+  first line, starting over when the file is exhausted (``\\n`` in a line is a newline);
+- ``human``: you, at the terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, TextIO
+
+from repertory.envs import Env
+from repertory.types import Message, RepertoryError
+
+
+@dataclass
+class Request:
+    """One seat of one episode that must act now: its whole chat so far and its structured view."""
+
+    episode_id: str
+    seat: int
+    role: str
+    messages: list[Message]
+    view: dict[str, Any]
+
+    @property
+    def observation(self) -> list[Message]:
+        """The messages that arrived since the seat last spoke."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].role == "assistant":
+                return self.messages[i + 1 :]
+        return list(self.messages)
+
+
+@dataclass
+class Response:
+    """What a seat wrote; language-model agents also return the exact tokens and their log-probs."""
+
+    text: str
+    finish: str = "stop"
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logp_sample: list[float] = field(default_factory=list)
+
+
+class Agent(Protocol):
+    """Anything that answers a batch of requests, in order."""
+
+    name: str
+    policy_id: str
+
+    def act(self, requests: list[Request]) -> list[Response]: ...
+
+
+class BotAgent:
+    """A scripted policy of one environment, applied to each request's structured view."""
+
+    def __init__(self, name: str, bot: Callable[[dict[str, Any]], str]):
+        self.name = name
+        self.policy_id = f"scripted:{name}"
+        self._bot = bot
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        return [Response(self._bot(r.view)) for r in requests]
+
+
+def _unescape(line: str) -> str:
+    out, i = [], 0
+    while i < len(line):
+        if line[i] == "\\" and i + 1 < len(line) and line[i + 1] in "n\\":
+            out.append("\n" if line[i + 1] == "n" else "\\")
+            i += 2
+        else:
+            out.append(line[i])
+            i += 1
+    return "".join(out)
+
+
+class ScriptAgent:
+    """Replays a file's lines, one per turn, separately for each (episode, seat), cycling."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.name = f"script:{path}"
+        self.policy_id = "scripted:script"
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RepertoryError(f"cannot read script file {self.path}: {exc.strerror or exc}") from None
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        if not lines:
+            raise RepertoryError(f"script file {self.path} is empty; write one response per line")
+        self.lines = [_unescape(line.rstrip("\r")) for line in lines]
+        self._cursor: dict[tuple[str, int], int] = {}
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        out = []
+        for r in requests:
+            k = self._cursor.get((r.episode_id, r.seat), 0)
+            self._cursor[(r.episode_id, r.seat)] = k + 1
+            out.append(Response(self.lines[k % len(self.lines)]))
+        return out
+
+
+class HumanAgent:
+    """You at the terminal: shows what the seat sees since its last turn and reads one line."""
+
+    name = "human"
+    policy_id = "human"
+
+    def __init__(self, stdin: TextIO | None = None, stdout: TextIO | None = None):
+        self._in = stdin
+        self._out = stdout
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        stdin, stdout = self._in or sys.stdin, self._out or sys.stdout
+        out = []
+        for r in requests:
+            stdout.write(f"\n=== {r.role} ({r.episode_id}) ===\n")
+            for m in r.observation:
+                label = "rules" if m.role == "system" else "referee"
+                stdout.write(f"[{label}] {m.content}\n")
+            stdout.write(f"{r.role}> ")
+            stdout.flush()
+            line = stdin.readline()
+            if not line:
+                raise RepertoryError(f"standard input closed while waiting for {r.role}'s move")
+            out.append(Response(_unescape(line.rstrip("\r\n"))))
+        return out
+
+
+def agent_names(env: type[Env]) -> list[str]:
+    """Agent specs valid for ``env``: its bots, then the generic agents."""
+    return [*env.bots, "script:FILE", "human"]
+
+
+def make_agent(spec: str, env: type[Env]) -> Agent:
+    """Build the agent named by ``spec`` for ``env``; unknown specs list the valid ones."""
+    if spec in env.bots:
+        return BotAgent(spec, env.bots[spec])
+    if spec.startswith("script:"):
+        path = spec[len("script:") :]
+        if not path:
+            raise RepertoryError("script: needs a file, as in script:moves.txt")
+        return ScriptAgent(path)
+    if spec == "human":
+        return HumanAgent()
+    raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")

@@ -1,0 +1,258 @@
+"""The environment interface and the bookkeeping every environment shares.
+
+An environment is a text game with a referee (environments.md 1.1): it shows each role only what
+that role may see, parses the tag syntax out of free text, never raises on bad output, and scores
+the game. Round-based social dilemmas share :class:`RoundGame`, which runs simultaneous moves,
+proportional splits, feedback to the next round and per-round rewards ``points / Z``.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from fractions import Fraction
+from typing import Any, Callable, ClassVar
+
+from repertory.types import Kernel, Message, Parsed, Result, RoleResult, StepResult
+
+Bot = Callable[[dict[str, Any]], str]
+"""A scripted policy: the role's structured view (see ``Env.view``) in, the raw text out."""
+
+
+class Env(ABC):
+    """Base class of every environment; subclasses implement the game, this class the bookkeeping.
+
+    Lifecycle: ``reset(kernel, episode_seed)``, then while not ``done``: ``observe(role)`` for
+    each role in ``acting_roles()``, ``step({role: text})``. ``result()`` scores the episode.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    roles: ClassVar[tuple[str, ...]]
+    role_labels: ClassVar[tuple[str, ...]]
+    default_trained_role: ClassVar[str]
+    bots: ClassVar[dict[str, Bot]] = {}
+    unique_kernels: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.kernel: Kernel | None = None
+        self.episode_seed = 0
+        self._inbox: dict[str, list[Message]] = {}
+        self.points: dict[str, Fraction] = {}
+        self.n_turns: dict[str, int] = {}
+        self.n_invalid: dict[str, int] = {}
+        self.end_reason = ""
+
+    @classmethod
+    @abstractmethod
+    def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
+        """The data fields of one kernel, drawn from ``rng`` in the order environments.md gives."""
+
+    @classmethod
+    def validate_kernel(cls, data: dict[str, Any]) -> list[str]:
+        """Problems with a kernel's data (empty when valid)."""
+        return []
+
+    def reset(self, kernel: Kernel, episode_seed: int) -> None:
+        """Start a fresh episode of ``kernel``; every role's inbox starts with its system prompt."""
+        if kernel.env != self.name:
+            raise ValueError(f"kernel {kernel.id} belongs to {kernel.env}, not {self.name}")
+        problems = self.validate_kernel(kernel.data)
+        if problems:
+            raise ValueError(f"kernel {kernel.id} is invalid: {'; '.join(problems)}")
+        self.kernel = kernel
+        self.episode_seed = episode_seed
+        self._inbox = {r: [Message("system", self.system_prompt(r))] for r in self.roles}
+        self.points = {r: Fraction(0) for r in self.roles}
+        self.n_turns = {r: 0 for r in self.roles}
+        self.n_invalid = {r: 0 for r in self.roles}
+        self.end_reason = ""
+        self._start()
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Set up game state after ``reset`` and queue the first prompts."""
+
+    @abstractmethod
+    def system_prompt(self, role: str) -> str:
+        """Rules, the role's private information, the action syntax with examples, the limits."""
+
+    @abstractmethod
+    def acting_roles(self) -> list[str]:
+        """Roles that must act now (several in simultaneous phases, none when done)."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the episode has ended."""
+
+    @abstractmethod
+    def parse(self, role: str, text: str) -> Parsed:
+        """What ``step`` would make of ``text`` from ``role`` now; pure."""
+
+    @abstractmethod
+    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+        """Advance the game with the parsed actions of all acting roles."""
+
+    @abstractmethod
+    def outcome(self, role: str) -> float:
+        """The role's normalised score in [0, 1]."""
+
+    @abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """Episode-level metrics (cooperation rate, collective payoff, ...)."""
+
+    @abstractmethod
+    def view(self, role: str) -> dict[str, Any]:
+        """Everything the role knows, as structured data, for scripted bots."""
+
+    @property
+    def game_round(self) -> int:
+        """The current round (1-based) in round-based games; 0 elsewhere."""
+        return 0
+
+    def seat_index(self, role: str) -> int:
+        """0-based seat index of a display name."""
+        return self.roles.index(role)
+
+    def observe(self, role: str) -> list[Message]:
+        """Messages that became visible to ``role`` since it last observed."""
+        messages, self._inbox[role] = self._inbox[role], []
+        return messages
+
+    def tell(self, role: str, text: str) -> None:
+        """Queue a user message for ``role``; consecutive notices are joined into one message."""
+        inbox = self._inbox[role]
+        if inbox and inbox[-1].role == "user":
+            inbox[-1] = Message("user", inbox[-1].content + "\n" + text)
+        else:
+            inbox.append(Message("user", text))
+
+    def validate(self, role: str, text: str) -> tuple[bool, str]:
+        """Would ``text`` be a legal action for ``role`` now? Pure; never advances the state."""
+        if self.done:
+            return False, "the episode is over"
+        if role not in self.acting_roles():
+            return False, f"{role} is not to act now"
+        parsed = self.parse(role, text)
+        return (False, parsed.error or "invalid action") if parsed.invalid else (True, "")
+
+    def step(self, actions: dict[str, str]) -> StepResult:
+        """Apply the raw texts of exactly the acting roles; bad text never raises."""
+        if self.done:
+            raise RuntimeError(f"{self.name}: step() called after the episode ended")
+        acting = self.acting_roles()
+        if sorted(actions) != sorted(acting):
+            raise ValueError(f"{self.name}: expected actions from {acting}, got {sorted(actions)}")
+        parsed = {role: self.parse(role, actions[role]) for role in acting}
+        for role in acting:
+            self.n_turns[role] += 1
+            self.n_invalid[role] += parsed[role].invalid
+        return self._apply(parsed, actions)
+
+    def result(self) -> Result:
+        """Per-role points, outcome, turns and invalid actions; end reason; kernel id."""
+        assert self.kernel is not None, "result() before reset()"
+        return Result(
+            roles={
+                r: RoleResult(float(self.points[r]), self.outcome(r), self.n_turns[r], self.n_invalid[r])
+                for r in self.roles
+            },
+            end_reason=self.end_reason,
+            info={"kernel_id": self.kernel.id},
+        )
+
+    def _base_view(self, role: str) -> dict[str, Any]:
+        assert self.kernel is not None
+        return {
+            "env": self.name,
+            "kernel_id": self.kernel.id,
+            "episode_seed": self.episode_seed,
+            "role": role,
+            "seat": self.seat_index(role),
+            "round": self.game_round,
+        }
+
+
+def other(roles: tuple[str, ...], role: str) -> str:
+    """The other role of a two-role game."""
+    return roles[1] if role == roles[0] else roles[0]
+
+
+def proportional_split(claims: dict[str, int], quantity: int) -> dict[str, Fraction]:
+    """Claims that fit are granted (the rest is lost); over-claims are scaled to ``quantity``."""
+    total = sum(claims.values())
+    if total <= quantity:
+        return {r: Fraction(x) for r, x in claims.items()}
+    return {r: Fraction(quantity * x, total) for r, x in claims.items()}
+
+
+def collective_payoff(history: list[dict[str, Any]], best_total: float) -> dict[str, float]:
+    """Both seats' points: per game, per round, and as a share of the best possible welfare."""
+    total = float(sum(sum(h["points"].values()) for h in history))
+    return {
+        "collective_payoff": total,
+        "collective_payoff_per_round": total / max(len(history), 1),
+        "collective_payoff_normalized": total / best_total if best_total else 0.0,
+    }
+
+
+def fmt(x: Fraction | float) -> str:
+    """A number for prompts: integers bare, others with up to 4 decimals."""
+    value = float(x)
+    if value.is_integer():
+        return str(int(value))
+    return f"{value:.4f}".rstrip("0").rstrip(".")
+
+
+class RoundGame(Env):
+    """Two-player iterated game: simultaneous moves, feedback next round, reward points/Z per round.
+
+    Subclasses define the per-round payoffs (``_resolve``), Z per role (``_z``) and the prompts.
+    """
+
+    unique_kernels: ClassVar[bool] = True
+
+    @property
+    def n_rounds(self) -> int:
+        assert self.kernel is not None
+        return self._n_rounds(self.kernel.data)
+
+    @classmethod
+    @abstractmethod
+    def _n_rounds(cls, data: dict[str, Any]) -> int:
+        """Rounds in a kernel."""
+
+    @abstractmethod
+    def _z(self, role: str) -> Fraction:
+        """The normaliser: the most points the role could score over the episode."""
+
+    def _start(self) -> None:
+        self.round = 1
+        self.history: list[dict[str, Any]] = []
+        self._start_round()
+
+    @abstractmethod
+    def _start_round(self) -> None:
+        """Queue the prompts that open ``self.round``."""
+
+    @property
+    def game_round(self) -> int:
+        return self.round if not self.done else self.n_rounds
+
+    @property
+    def done(self) -> bool:
+        return self.round > self.n_rounds
+
+    def outcome(self, role: str) -> float:
+        return float(self.points[role] / self._z(role))
+
+    def _finish_round(self, record: dict[str, Any], round_points: dict[str, Fraction]) -> dict[str, float]:
+        """Bank the round, move on, and return the per-round rewards ``points / Z``."""
+        self.history.append(record)
+        for role, p in round_points.items():
+            self.points[role] += p
+        self.round += 1
+        if self.done:
+            self.end_reason = "rounds_complete"
+        return {role: float(p / self._z(role)) for role, p in round_points.items()}

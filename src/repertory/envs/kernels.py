@@ -1,0 +1,79 @@
+"""Kernels: deterministic generation from (env, split, index), and the frozen shipped files.
+
+Kernel i of split s of environment e is drawn with ``random.Random(derive("repertory", e, s, i))``;
+train kernels are generated before held-out ones, and a kernel whose game content repeats an
+earlier one is redrawn with ``derive("repertory", e, s, i, "retry", r)`` (environments.md 1.5).
+The shipped ``kernels/<env>/{train,heldout}.jsonl`` files are authoritative; a test regenerates
+them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from repertory.types import SPLITS, Kernel, RepertoryError, canonical_json, derive
+
+if TYPE_CHECKING:
+    from repertory.envs.base import Env
+
+KERNELS_PER_SPLIT = 100
+
+
+def generate_kernels(env: type[Env], n: int = KERNELS_PER_SPLIT) -> dict[str, list[Kernel]]:
+    """Both splits of ``env``, ``n`` kernels each, with the uniqueness retries of 1.5."""
+    seen: set[str] = set()
+    out: dict[str, list[Kernel]] = {}
+    for split in SPLITS:
+        kernels = []
+        for i in range(n):
+            seed = derive("repertory", env.name, split, i)
+            retry = 0
+            while True:
+                data = env.generate_kernel(random.Random(seed))
+                content = canonical_json(data)
+                if not env.unique_kernels or content not in seen:
+                    break
+                retry += 1
+                seed = derive("repertory", env.name, split, i, "retry", retry)
+            seen.add(content)
+            kernels.append(Kernel(f"{env.name}/{split}/{i:03d}", env.name, split, i, seed, data))
+        out[split] = kernels
+    return out
+
+
+def kernel_file_text(kernels: list[Kernel]) -> str:
+    """The shipped file's content: one canonical JSON line per kernel."""
+    return "".join(k.to_json() + "\n" for k in kernels)
+
+
+def write_kernels(env: type[Env], root: Path) -> list[Path]:
+    """Write ``root/<env>/{train,heldout}.jsonl`` for ``env``; returns the paths written."""
+    paths = []
+    for split, kernels in generate_kernels(env).items():
+        path = root / env.name / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(kernel_file_text(kernels), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+@lru_cache(maxsize=None)
+def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
+    if split not in SPLITS:
+        raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    resource = resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RepertoryError(f"no shipped kernels for {env_name!r} ({split}); is the package installed completely?") from None
+    return tuple(Kernel.from_json(line) for line in text.splitlines() if line.strip())
+
+
+def load_kernels(env_name: str, split: str) -> list[Kernel]:
+    """The shipped kernels of one split, in index order."""
+    return list(_load(env_name, split))
+

@@ -1,0 +1,197 @@
+"""The rollout engine: many episodes at once, one batched call per agent per tick.
+
+Each tick gathers the pending requests of every acting seat of every running episode, groups
+them by agent, calls each agent once, then steps every episode with its answers. In self-play
+one agent fills every seat, so one call (one forward pass of a model) serves all roles of all
+episodes. Each episode owns its environment instance; nothing is shared between episodes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from repertory.agents import Agent, Request, Response
+from repertory.envs import env_class, load_kernels, make
+from repertory.types import Episode, Kernel, Message, RepertoryError, Seat, Turn, derive
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to play: environment, kernel, seed and the agent of each seat (in seat order)."""
+
+    episode_id: str
+    env: str
+    kernel: Kernel
+    episode_seed: int
+    agents: list[Agent]
+    group_id: str = ""
+    iteration: int = 0
+    trainable: list[bool] = field(default_factory=list)
+
+
+class _Running:
+    """Live state of one episode inside the engine."""
+
+    def __init__(self, spec: EpisodeSpec):
+        self.spec = spec
+        self.env = make(spec.env)
+        if len(spec.agents) != len(self.env.roles):
+            raise RepertoryError(
+                f"{spec.env} has {len(self.env.roles)} seats ({', '.join(self.env.roles)}), "
+                f"but {len(spec.agents)} agents were given"
+            )
+        self.env.reset(spec.kernel, spec.episode_seed)
+        self.chats: dict[str, list[Message]] = {r: [] for r in self.env.roles}
+        self.turns: list[Turn] = []
+        self.last_turn: dict[str, Turn] = {}
+        self.tick = 0
+
+    def requests(self) -> list[tuple[Agent, Request]]:
+        out = []
+        for role in self.env.acting_roles():
+            seat = self.env.seat_index(role)
+            self.chats[role].extend(self.env.observe(role))
+            request = Request(self.spec.episode_id, seat, role, list(self.chats[role]), self.env.view(role))
+            out.append((self.spec.agents[seat], request))
+        return out
+
+    def step(self, answers: dict[str, tuple[Request, Response]]) -> None:
+        game_round = self.env.game_round
+        texts = {role: response.text for role, (_, response) in answers.items()}
+        result = self.env.step(texts)
+        for role, (request, response) in answers.items():
+            seat = request.seat
+            parsed = result.parsed[role]
+            turn = Turn(
+                seat_id=f"p{seat}",
+                turn_index=sum(t.seat_id == f"p{seat}" for t in self.turns),
+                global_step=self.tick,
+                game_round=game_round,
+                observation=request.observation,
+                text=response.text,
+                action=parsed.action,
+                error=parsed.error,
+                invalid=parsed.invalid,
+                finish=response.finish,
+                prompt_ids=list(response.prompt_ids),
+                response_ids=list(response.response_ids),
+                logp_sample=list(response.logp_sample),
+            )
+            self.turns.append(turn)
+            self.last_turn[role] = turn
+            self.chats[role].append(Message("assistant", response.text))
+        for role, reward in result.rewards.items():
+            if role not in self.last_turn:
+                raise RuntimeError(f"{self.spec.env} rewarded {role} before its first turn")
+            self.last_turn[role].reward += reward
+        self.tick += 1
+
+    def episode(self) -> Episode:
+        env, spec = self.env, self.spec
+        trainable = spec.trainable or [False] * len(env.roles)
+        seats = [
+            Seat(f"p{i}", name, env.role_labels[i], agent.name, agent.policy_id, trainable[i])
+            for i, (name, agent) in enumerate(zip(env.roles, spec.agents))
+        ]
+        return Episode(
+            episode_id=spec.episode_id,
+            env=spec.env,
+            kernel=spec.kernel,
+            episode_seed=spec.episode_seed,
+            seats=seats,
+            turns=self.turns,
+            result=env.result(),
+            metrics=env.metrics(),
+            final_observations={f"p{env.seat_index(r)}": env.observe(r) for r in env.roles},
+            group_id=spec.group_id,
+            iteration=spec.iteration,
+        )
+
+
+def run_episodes(
+    specs: Iterable[EpisodeSpec],
+    max_concurrent: int = 256,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[Episode]:
+    """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order."""
+    if max_concurrent < 1:
+        raise RepertoryError("max_concurrent must be at least 1")
+    pending: Iterator[tuple[int, EpisodeSpec]] = enumerate(specs)
+    running: dict[int, _Running] = {}
+    finished: dict[int, Episode] = {}
+    exhausted = False
+    while running or not exhausted:
+        while not exhausted and len(running) < max_concurrent:
+            nxt = next(pending, None)
+            if nxt is None:
+                exhausted = True
+            else:
+                running[nxt[0]] = _Running(nxt[1])
+        by_agent: dict[int, tuple[Agent, list[tuple[int, Request]]]] = {}
+        for index, run in running.items():
+            for agent, request in run.requests():
+                by_agent.setdefault(id(agent), (agent, []))[1].append((index, request))
+        answers: dict[int, dict[str, tuple[Request, Response]]] = {i: {} for i in running}
+        for agent, batch in by_agent.values():
+            responses = agent.act([request for _, request in batch])
+            if len(responses) != len(batch):
+                raise RuntimeError(f"agent {agent.name} answered {len(responses)} of {len(batch)} requests")
+            for (index, request), response in zip(batch, responses):
+                answers[index][request.role] = (request, response)
+        for index in list(running):
+            run = running[index]
+            if answers[index]:
+                run.step(answers[index])
+            if run.env.done:
+                episode = run.episode()
+                finished[index] = episode
+                del running[index]
+                if on_episode is not None:
+                    on_episode(episode)
+    return [finished[i] for i in sorted(finished)]
+
+
+def schedule(
+    env: str,
+    agents: list[Agent],
+    episodes: int,
+    seed: int,
+    split: str = "train",
+    kernel_index: int | None = None,
+    iteration: int = 0,
+) -> list[EpisodeSpec]:
+    """Episodes of ``env`` with the same line-up: kernels drawn without replacement per pass
+    through the split (shuffled by ``seed``), or all on ``kernel_index``; seeds derived from ``seed``.
+    """
+    cls = env_class(env)
+    if episodes < 1:
+        raise RepertoryError(f"the number of episodes must be at least 1 (got {episodes})")
+    if len(agents) != len(cls.roles):
+        raise RepertoryError(f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}); got {len(agents)}")
+    kernels = load_kernels(env, split)
+    if kernel_index is not None and not 0 <= kernel_index < len(kernels):
+        raise RepertoryError(f"kernel index must be in 0..{len(kernels) - 1} (got {kernel_index})")
+    order: list[int] = []
+    shuffler = random.Random(derive(seed, iteration, "kernels", env, split))
+    specs = []
+    for i in range(episodes):
+        if kernel_index is not None:
+            k = kernel_index
+        else:
+            if not order:
+                order = list(range(len(kernels)))
+                shuffler.shuffle(order)
+            k = order.pop(0)
+        specs.append(
+            EpisodeSpec(
+                episode_id=f"{env}/s{seed}/i{iteration}/{i:05d}",
+                env=env,
+                kernel=kernels[k],
+                episode_seed=derive(seed, iteration, i, "env"),
+                agents=list(agents),
+                iteration=iteration,
+            )
+        )
+    return specs
