@@ -1,0 +1,17 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test` (the suite).
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: run test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/repertory tournament --episodes 20 --out runs/tournament/episodes
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q

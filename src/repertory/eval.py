@@ -1,0 +1,124 @@
+"""Evaluation: cross-play tournaments among any set of agents of one environment.
+
+Every ordered pair (row agent in the first seat, column agent in the second) plays the same
+kernels with the same episode seeds, so differences between cells come from the agents alone.
+All pairs run through the rollout engine together: one batched call per agent per tick.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from repertory.agents import Agent
+from repertory.envs import env_class
+from repertory.rollout import run_episodes, schedule
+from repertory.types import Episode
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (unbiased std / sqrt(n); 0 when n < 2)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+@dataclass
+class PairResult:
+    """Aggregates of one line-up: per seat mean points and outcome with standard errors, metrics."""
+
+    agents: list[str]
+    episodes: int
+    points: dict[str, tuple[float, float]]
+    outcome: dict[str, tuple[float, float]]
+    invalid_rate: dict[str, float]
+    metrics: dict[str, float]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "agents": self.agents,
+            "episodes": self.episodes,
+            "points": {r: m for r, (m, _) in self.points.items()},
+            "points_se": {r: s for r, (_, s) in self.points.items()},
+            "outcome": {r: m for r, (m, _) in self.outcome.items()},
+            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
+            "invalid_rate": self.invalid_rate,
+            "metrics": self.metrics,
+        }
+
+
+def summarize(episodes: list[Episode]) -> PairResult:
+    """Aggregate episodes that share one line-up."""
+    first = episodes[0]
+    names = [s.name for s in first.seats]
+    metric_names = sorted({k for ep in episodes for k in ep.metrics})
+    metrics = {}
+    for k in metric_names:
+        values = [ep.metrics[k] for ep in episodes if k in ep.metrics]
+        metrics[k] = sum(values) / len(values)
+    invalid = {}
+    for n in names:
+        turns = sum(ep.result.roles[n].n_turns for ep in episodes)
+        invalid[n] = sum(ep.result.roles[n].n_invalid for ep in episodes) / turns if turns else 0.0
+    return PairResult(
+        agents=[s.agent for s in first.seats],
+        episodes=len(episodes),
+        points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
+        outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
+        invalid_rate=invalid,
+        metrics=metrics,
+    )
+
+
+@dataclass
+class CrossPlay:
+    """The cross-play matrix of one environment: ``cells[(row, col)]`` and per-agent mean outcome."""
+
+    env: str
+    agents: list[str]
+    cells: dict[tuple[str, str], PairResult]
+    episodes: list[Episode] = field(default_factory=list, repr=False)
+
+    def agent_outcome(self, agent: str) -> float:
+        """Mean outcome of ``agent`` over all its games, in either seat."""
+        values = [
+            ep.result.roles[seat.name].outcome for ep in self.episodes for seat in ep.seats if seat.agent == agent
+        ]
+        return sum(values) / len(values)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "env": self.env,
+            "agents": self.agents,
+            "pairs": [cell.to_json() for cell in self.cells.values()],
+            "mean_outcome": {a: self.agent_outcome(a) for a in self.agents},
+        }
+
+
+def crossplay(
+    env: str,
+    agents: dict[str, Agent],
+    episodes: int,
+    seed: int,
+    split: str = "heldout",
+    on_episode: Callable[[Episode], None] | None = None,
+) -> CrossPlay:
+    """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each."""
+    cls = env_class(env)
+    if len(cls.roles) != 2:
+        raise ValueError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
+    pairs = [(a, b) for a in agents for b in agents]
+    specs = []
+    for a, b in pairs:
+        for spec in schedule(env, [agents[a], agents[b]], episodes, seed, split):
+            spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
+            specs.append(spec)
+    played = run_episodes(specs, on_episode=on_episode)
+    cells = {pair: summarize(played[i * episodes : (i + 1) * episodes]) for i, pair in enumerate(pairs)}
+    return CrossPlay(env, list(agents), cells, played)

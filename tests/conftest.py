@@ -1,0 +1,22 @@
+"""Shared fixtures: small helpers to play episodes with named agents."""
+
+from __future__ import annotations
+
+import pytest
+
+from repertory.agents import make_agent
+from repertory.envs import env_class
+from repertory.rollout import run_episodes, schedule
+from repertory.types import Episode
+
+
+def play(env: str, agents: list[str], episodes: int = 1, seed: int = 0, split: str = "train", kernel: int | None = None) -> list[Episode]:
+    """Play episodes of ``env`` with agent specs in seat order (one agent object per spec)."""
+    cls = env_class(env)
+    built = {spec: make_agent(spec, cls) for spec in agents}
+    return run_episodes(schedule(env, [built[s] for s in agents], episodes, seed, split, kernel))
+
+
+@pytest.fixture
+def play_episodes():
+    return play
