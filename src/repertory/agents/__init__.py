@@ -93,8 +93,10 @@ class ScriptAgent:
         self.policy_id = "scripted:script"
         try:
             text = self.path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RepertoryError(f"cannot read script file {self.path}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise RepertoryError(f"cannot read script file {self.path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise RepertoryError(f"cannot read script file {self.path}: it is not UTF-8 text") from None
         lines = text.split("\n")
         if lines and lines[-1] == "":
             lines.pop()

@@ -1,0 +1,123 @@
+"""The command line: outputs, JSON contracts, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from repertory.cli import main
+from repertory.store import EpisodeStore
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_acceptance_tit_for_tat_vs_always_defect(capsys):
+    code, out, err = run(capsys, "play", "ipd", "--agents", "tit-for-tat,always-defect", "--episodes", "1", "--seed", "0", "--json")
+    assert code == 0 and err == ""
+    [line] = out.strip().splitlines()
+    record = json.loads(line)
+    assert record["env"] == "ipd"
+    assert record["seats"] == {"Alice": "tit-for-tat", "Bob": "always-defect"}
+    assert record["rewards"] == {"Alice": 9, "Bob": 14}
+    assert record["outcome"] == pytest.approx({"Alice": 0.18, "Bob": 0.28})
+    assert record["n_turns"] == {"Alice": 10, "Bob": 10}
+    assert record["kernel"].startswith("ipd/train/")
+    assert record["metrics"]["cooperation_rate/Alice"] == pytest.approx(0.1)
+
+
+def test_envs_table_and_json(capsys):
+    code, out, _ = run(capsys, "envs", "--json")
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == ["ipd", "split-no-comm", "trust-and-split"]
+    assert all(r["roles"] == ["Alice", "Bob"] and r["description"] for r in rows)
+    code, out, _ = run(capsys, "envs")
+    assert code == 0 and "trust-and-split" in out and "tit-for-tat" in out
+
+
+def test_play_prints_transcripts_with_each_role_view_and_summary(capsys):
+    code, out, _ = run(capsys, "play", "trust-and-split", "-a", "honest-cooperative,greedy", "-n", "2", "--seed", "3")
+    assert code == 0
+    assert "Alice sees │ Round 1 of 10. Your hand:" in out or "Bob sees │ Round 1 of 10. Your hand:" in out
+    assert "Bob ▸ I'd like to keep all ten coins this round." in out
+    assert "2 episode(s)" in out and "collective_payoff_normalized" in out
+    code, out, _ = run(capsys, "play", "ipd", "-a", "random,random", "-n", "3", "--quiet")
+    assert code == 0 and "sees" not in out and "3 episode(s)" in out
+
+
+def test_play_json_writes_one_object_per_episode_and_store(capsys, tmp_path):
+    code, out, err = run(capsys, "play", "split-no-comm", "-a", "greedy,welfare-maximizing", "-n", "4", "--split", "heldout", "--out", str(tmp_path / "eps"), "--json")
+    assert code == 0
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(records) == 4 and all(r["kernel"].startswith("split-no-comm/heldout/") for r in records)
+    assert all(0 <= r["metrics"]["split_efficiency"] <= 1 for r in records)
+    episodes, errors = EpisodeStore(tmp_path / "eps").load()
+    assert errors == [] and [e.summary() for e in episodes] == records
+    assert "wrote 4 episode(s)" in err
+
+
+def test_same_seed_same_output(capsys):
+    first = run(capsys, "play", "ipd", "-a", "random,random", "-n", "3", "--seed", "11", "--json")
+    second = run(capsys, "play", "ipd", "-a", "random,random", "-n", "3", "--seed", "11", "--json")
+    third = run(capsys, "play", "ipd", "-a", "random,random", "-n", "3", "--seed", "12", "--json")
+    assert first == second and first[1] != third[1]
+
+
+def test_tournament_json_and_tables(capsys):
+    code, out, _ = run(capsys, "tournament", "--env", "ipd", "-n", "2", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["agents"] == ["always-cooperate", "always-defect", "tit-for-tat", "grim-trigger", "random"]
+    assert len(result["pairs"]) == 25
+    tft_vs_ad = next(p for p in result["pairs"] if p["agents"] == ["tit-for-tat", "always-defect"])
+    assert tft_vs_ad["points"] == {"Alice": 9, "Bob": 14} and tft_vs_ad["points_se"] == {"Alice": 0, "Bob": 0}
+    code, out, _ = run(capsys, "tournament", "-e", "trust-and-split", "-a", "greedy,honest-cooperative", "-n", "2")
+    assert code == 0 and "mean outcome over all games" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["play", "chess"], "unknown environment 'chess'; known: ipd, split-no-comm, trust-and-split"),
+        (["play", "ipd", "-a", "tit-for-tat,nobody"], "unknown agent 'nobody' for ipd"),
+        (["play", "ipd", "-a", "tit-for-tat"], "ipd needs 2 agents, one per seat (Alice, Bob)"),
+        (["play", "ipd", "-n", "0"], "the number of episodes must be at least 1"),
+        (["play", "ipd", "-n", "many"], "Invalid value for '--episodes'"),
+        (["play", "ipd", "--seed", "-1"], "--seed must be a non-negative integer"),
+        (["play", "ipd", "--split", "dev"], "unknown split 'dev'"),
+        (["play", "ipd", "--kernel", "100"], "kernel index must be in 0..99"),
+        (["play", "ipd", "-a", "script:/nope.txt,random"], "cannot read script file /nope.txt"),
+        (["tournament", "-e", "chess"], "unknown environment 'chess'"),
+        (["tournament", "-n", "0"], "--episodes must be at least 1"),
+        (["play", "ipd", "--bogus"], "No such option: --bogus"),
+    ],
+)
+def test_user_errors_are_one_line_with_status_2(capsys, args, message):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_out_path_that_is_a_file_is_rejected_before_playing(capsys, tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    code, out, err = run(capsys, "play", "ipd", "--out", str(target), "--json")
+    assert code == 2 and "is not a directory" in err and out == ""
+    assert target.read_text() == "keep me"
+
+
+def test_module_entry_point_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "repertory", "play", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split"
