@@ -46,6 +46,7 @@ class _Running:
         self.chats: dict[str, list[Message]] = {r: [] for r in self.env.roles}
         self.turns: list[Turn] = []
         self.last_turn: dict[str, Turn] = {}
+        self.unattached: dict[str, float] = {}
         self.tick = 0
 
     def requests(self) -> list[tuple[Agent, Request]]:
@@ -78,14 +79,18 @@ class _Running:
                 prompt_ids=list(response.prompt_ids),
                 response_ids=list(response.response_ids),
                 logp_sample=list(response.logp_sample),
+                reward=self.unattached.pop(role, 0.0),
             )
             self.turns.append(turn)
             self.last_turn[role] = turn
             self.chats[role].append(Message("assistant", response.text))
         for role, reward in result.rewards.items():
-            if role not in self.last_turn:
-                raise RuntimeError(f"{self.spec.env} rewarded {role} before its first turn")
-            self.last_turn[role].reward += reward
+            if role in self.last_turn:
+                self.last_turn[role].reward += reward
+            else:
+                # A reward before a seat's first turn lands on that turn; a seat that never acts has
+                # no trajectory, and its score lives in the result alone.
+                self.unattached[role] = self.unattached.get(role, 0.0) + reward
         self.tick += 1
 
     def episode(self) -> Episode:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from repertory.envs.base import Env
 
 KERNELS_PER_SPLIT = 100
+MAX_RETRIES = 1000
 
 
 def generate_kernels(env: type[Env], n: int = KERNELS_PER_SPLIT) -> dict[str, list[Kernel]]:
@@ -38,6 +39,11 @@ def generate_kernels(env: type[Env], n: int = KERNELS_PER_SPLIT) -> dict[str, li
                 if not env.unique_kernels or content not in seen:
                     break
                 retry += 1
+                if retry > MAX_RETRIES:
+                    raise RepertoryError(
+                        f"{env.name}: kernel {split}/{i} repeats earlier content after {MAX_RETRIES} retries; "
+                        "the generator has too few distinct kernels (set unique_kernels = False if repeats are fine)"
+                    )
                 seed = derive("repertory", env.name, split, i, "retry", retry)
             seen.add(content)
             kernels.append(Kernel(f"{env.name}/{split}/{i:03d}", env.name, split, i, seed, data))
@@ -63,17 +69,24 @@ def write_kernels(env: type[Env], root: Path) -> list[Path]:
 
 @lru_cache(maxsize=None)
 def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
+    from repertory.envs import env_class
+
     if split not in SPLITS:
         raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    env = env_class(env_name)
     resource = resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
-    try:
-        text = resource.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RepertoryError(f"no shipped kernels for {env_name!r} ({split}); is the package installed completely?") from None
-    return tuple(Kernel.from_json(line) for line in text.splitlines() if line.strip())
+    if not resource.is_file():
+        return tuple(generate_kernels(env)[split])
+    kernels = tuple(Kernel.from_json(line) for line in resource.read_text(encoding="utf-8").splitlines() if line.strip())
+    for kernel in kernels:
+        problems = env.validate_kernel(kernel.data)
+        if problems:
+            raise RepertoryError(f"shipped kernel {kernel.id} is invalid: {'; '.join(problems)}")
+    return kernels
 
 
 def load_kernels(env_name: str, split: str) -> list[Kernel]:
-    """The shipped kernels of one split, in index order."""
+    """The kernels of one split in index order: the shipped file, or (for an environment that ships
+    none, such as one registered by a user) the deterministic generation of 1.5."""
     return list(_load(env_name, split))
 

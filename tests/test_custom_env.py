@@ -1,0 +1,136 @@
+"""A user-written environment plugs into the registry, kernels, engine and store unchanged."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+import repertory.envs as envs
+from repertory.envs import Env, make
+from repertory.envs.kernels import _load
+from repertory.envs.parsing import clean, last_tag
+from repertory.store import read_episodes, write_episodes
+from repertory.types import Action, Parsed, StepResult
+
+from conftest import play
+
+
+class GuessTheNumber(Env):
+    """Sequential two-seat game: the guesser has three tries at the keeper's secret (1-10)."""
+
+    name = "guess"
+    description = "Guess the keeper's secret number in three tries."
+    roles = ("guesser", "keeper")
+    role_labels = ("guesser", "keeper")
+    default_trained_role = "guesser"
+    unique_kernels = False
+    bots = {
+        "bisect": lambda v: f"<guess>{(v['low'] + v['high']) // 2}</guess>",
+        "hint": lambda v: "higher" if v["last"] < v["secret"] else "lower",
+    }
+
+    @classmethod
+    def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
+        return {"secret": rng.randint(1, 10)}
+
+    def system_prompt(self, role: str) -> str:
+        if role == "keeper":
+            return f"Your secret is {self.kernel.data['secret']}. Answer higher or lower."
+        return "Guess a number from 1 to 10 with <guess>N</guess>."
+
+    def _start(self) -> None:
+        self.tries, self.turn, self.won, self.low, self.high, self.last = 0, "guesser", False, 1, 10, 0
+
+    def acting_roles(self) -> list[str]:
+        return [] if self.done else [self.turn]
+
+    @property
+    def done(self) -> bool:
+        return self.won or self.tries >= 3
+
+    def parse(self, role: str, text: str) -> Parsed:
+        if role == "keeper":
+            return Parsed(Action("message", clean(text)))
+        tag = last_tag(clean(text), content_tags=frozenset({"guess"}))
+        if tag is None or tag.malformed or not (tag.payload or "").strip().isdigit():
+            return Parsed(None, "no valid <guess>", invalid=True)
+        return Parsed(Action("guess", int(tag.payload.strip())))
+
+    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+        (role,) = parsed
+        if role == "keeper":
+            self.tell("guesser", f"keeper says: {parsed[role].action.value}")
+            self.turn = "guesser"
+            return StepResult(parsed)
+        self.tries += 1
+        guess = parsed[role].action.value if parsed[role].action else 0
+        self.last = guess
+        self.won = guess == self.kernel.data["secret"]
+        if guess < self.kernel.data["secret"]:
+            self.low = max(self.low, guess + 1)
+        elif guess > self.kernel.data["secret"]:
+            self.high = min(self.high, guess - 1)
+        self.tell("keeper", f"guesser guessed {guess}")
+        self.turn = "keeper"
+        rewards = {}
+        if self.done:
+            self.points["guesser"] = 1 if self.won else 0
+            self.end_reason = "guessed" if self.won else "out_of_tries"
+            rewards = {r: self.outcome(r) for r in self.roles}
+        return StepResult(parsed, rewards)
+
+    def outcome(self, role: str) -> float:
+        return float(self.won) if role == "guesser" else float(not self.won)
+
+    def metrics(self) -> dict[str, float]:
+        return {"tries": float(self.tries)}
+
+    def view(self, role: str) -> dict[str, Any]:
+        return {**self._base_view(role), "low": self.low, "high": self.high, "last": self.last, "secret": self.kernel.data["secret"] if role == "keeper" else None}
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    monkeypatch.setitem(envs._REGISTRY, "guess", GuessTheNumber)
+    _load.cache_clear()
+    yield
+    _load.cache_clear()
+
+
+def test_custom_environment_runs_end_to_end(registered, tmp_path):
+    assert isinstance(make("guess"), GuessTheNumber)
+    episodes = play("guess", ["bisect", "hint"], episodes=20, seed=1)
+    assert all(e.kernel.id.startswith("guess/train/") for e in episodes)
+    assert {e.kernel.data["secret"] for e in episodes} >= {5, 4}
+    for ep in episodes:
+        secret = ep.kernel.data["secret"]
+        guesses = [t.action.value for t in ep.trajectory("p0")]
+        assert ep.result.end_reason == ("guessed" if guesses[-1] == secret else "out_of_tries")
+        # Bisection of 1..10 guesses 5, then 2 or 8, then 1, 3, 6 or 9; 4, 7 and 10 stay unfound.
+        tries = {5: 1, 2: 2, 8: 2, 1: 3, 3: 3, 6: 3, 9: 3, 4: 3, 7: 3, 10: 3}[secret]
+        won = secret not in (4, 7, 10)
+        assert len(guesses) == tries
+        assert ep.result.roles["guesser"].outcome == float(won)
+        assert ep.total_reward("p0") == float(won)
+        assert ep.total_reward("p1") == (0.0 if tries == 1 else float(not won))
+    assert read_episodes(write_episodes(tmp_path / "g.parquet", episodes)) == episodes
+
+
+def test_custom_environment_invalid_guess_counts(registered, tmp_path):
+    script = tmp_path / "s.txt"
+    script.write_text("I think five\n<guess>5\n<guess>x</guess>\n")
+    [ep] = play("guess", [f"script:{script}", "hint"], kernel=0)
+    assert ep.result.roles["guesser"].n_invalid == 3
+    assert ep.result.end_reason == "out_of_tries"
+    assert [t.seat_id for t in ep.turns] == ["p0", "p1", "p0", "p1", "p0"]
+
+
+def test_generator_with_too_few_distinct_kernels_fails_clearly(monkeypatch):
+    from repertory.envs.kernels import generate_kernels
+    from repertory.types import RepertoryError
+
+    monkeypatch.setattr(GuessTheNumber, "unique_kernels", True)
+    with pytest.raises(RepertoryError, match="too few distinct kernels"):
+        generate_kernels(GuessTheNumber)
