@@ -546,6 +546,26 @@ def test_snc_simultaneous_text_stays_private():
     assert "PINEAPPLE" not in "\n".join(m.content for m in log.observations["Bob"])
 
 
+def test_snc_feedback_shows_both_claims():
+    env = make("split-no-comm")
+    env.reset(snc_kernel([WORKED_SNC, WORKED_SNC]), 0)
+    env.observe("Alice")
+    env.step({"Alice": claim(10, 2, 6), "Bob": claim(0, 10, 5)})
+    seen = "\n".join(m.content for m in env.observe("Alice"))
+    assert "hats 10, books 2, balls 6" in seen and "hats 0, books 10, balls 5" in seen
+    assert "1.6667" in seen and "5.4545" in seen and "107.1212" in seen
+
+
+def test_snc_feedback_shows_both_allocations_and_points():
+    env = make("split-no-comm")
+    env.reset(snc_kernel([WORKED_SNC, WORKED_SNC]), 0)
+    env.observe("Alice")
+    env.step({"Alice": claim(10, 2, 6), "Bob": claim(0, 10, 5)})
+    seen = "\n".join(m.content for m in env.observe("Alice"))
+    assert "8.3333" in seen and "4.5455" in seen  # Bob's allocation of books and balls
+    assert "87.8788" in seen  # Bob's points
+
+
 def _valid_snc_configurations() -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
     out = set()
     for six in itertools.product((1, 10), repeat=6):

@@ -144,11 +144,12 @@ class SplitNoComm(RoundGame):
         rewards = self._finish_round(record, round_points)
         for role in self.roles:
             partner = other(self.roles, role)
-            got = ", ".join(f"{i} {fmt(received[role][i])}" for i in ITEMS)
             self.tell(
                 role,
                 f"Round {finished}: you claimed {_counts(claims[role])}; {partner} claimed {_counts(claims[partner])}. "
-                f"You received {got}, worth {fmt(round_points[role])} points; your total is {fmt(self.points[role])}.",
+                f"You received {_counts(received[role])}, worth {fmt(round_points[role])} points; "
+                f"{partner} received {_counts(received[partner])}, worth {fmt(round_points[partner])} points. "
+                f"Your total is {fmt(self.points[role])}.",
             )
         if not self.done:
             self._start_round()
@@ -175,5 +176,5 @@ class SplitNoComm(RoundGame):
         return out
 
 
-def _counts(claim: dict[str, int]) -> str:
-    return ", ".join(f"{i} {claim[i]}" for i in ITEMS)
+def _counts(units: dict[str, int] | dict[str, Fraction]) -> str:
+    return ", ".join(f"{i} {fmt(units[i])}" for i in ITEMS)
