@@ -10,7 +10,9 @@ from repertory.rollout import run_episodes, schedule
 from repertory.types import Episode
 
 
-def play(env: str, agents: list[str], episodes: int = 1, seed: int = 0, split: str = "train", kernel: int | None = None) -> list[Episode]:
+def play(
+    env: str, agents: list[str], episodes: int = 1, seed: int = 0, split: str = "train", kernel: int | None = None
+) -> list[Episode]:
     """Play episodes of ``env`` with agent specs in seat order (one agent object per spec)."""
     cls = env_class(env)
     built = {spec: make_agent(spec, cls) for spec in agents}

@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
+from conftest import play
 
 from repertory.agents import BotAgent, HumanAgent, Request, ScriptAgent, agent_names, make_agent
 from repertory.envs import env_class
 from repertory.types import Message, RepertoryError
-
-from conftest import play
 
 IPD = env_class("ipd")
 
@@ -78,7 +77,12 @@ def test_human_agent_shows_only_new_messages_and_reads_a_line():
     stdout = io.StringIO()
     human = HumanAgent(stdin, stdout)
     first = human.act([_request()])
-    history = [Message("system", "rules"), Message("user", "go"), Message("assistant", "<choose>A</choose>"), Message("user", "Round 1: ...")]
+    history = [
+        Message("system", "rules"),
+        Message("user", "go"),
+        Message("assistant", "<choose>A</choose>"),
+        Message("user", "Round 1: ..."),
+    ]
     second = human.act([_request(messages=history)])
     assert [first[0].text, second[0].text] == ["<choose>A</choose>", "second\nline"]
     shown = stdout.getvalue()
@@ -92,6 +96,8 @@ def test_human_agent_reports_closed_stdin():
 
 
 def test_request_observation_is_everything_after_the_last_own_message():
-    request = _request(messages=[Message("system", "s"), Message("assistant", "a"), Message("user", "u1"), Message("user", "u2")])
+    request = _request(
+        messages=[Message("system", "s"), Message("assistant", "a"), Message("user", "u1"), Message("user", "u2")]
+    )
     assert request.observation == [Message("user", "u1"), Message("user", "u2")]
     assert _request().observation == _request().messages

@@ -23,7 +23,9 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_acceptance_tit_for_tat_vs_always_defect(capsys):
-    code, out, err = run(capsys, "play", "ipd", "--agents", "tit-for-tat,always-defect", "--episodes", "1", "--seed", "0", "--json")
+    code, out, err = run(
+        capsys, "play", "ipd", "--agents", "tit-for-tat,always-defect", "--episodes", "1", "--seed", "0", "--json"
+    )
     assert code == 0 and err == ""
     [line] = out.strip().splitlines()
     record = json.loads(line)
@@ -56,7 +58,20 @@ def test_play_prints_transcripts_with_each_role_view_and_summary(capsys):
 
 
 def test_play_json_writes_one_object_per_episode_and_store(capsys, tmp_path):
-    code, out, err = run(capsys, "play", "split-no-comm", "-a", "greedy,welfare-maximizing", "-n", "4", "--split", "heldout", "--out", str(tmp_path / "eps"), "--json")
+    code, out, err = run(
+        capsys,
+        "play",
+        "split-no-comm",
+        "-a",
+        "greedy,welfare-maximizing",
+        "-n",
+        "4",
+        "--split",
+        "heldout",
+        "--out",
+        str(tmp_path / "eps"),
+        "--json",
+    )
     assert code == 0
     records = [json.loads(line) for line in out.strip().splitlines()]
     assert len(records) == 4 and all(r["kernel"].startswith("split-no-comm/heldout/") for r in records)
@@ -91,7 +106,7 @@ def test_tournament_json_and_tables(capsys):
         (["play", "chess"], "unknown environment 'chess'; known: ipd, split-no-comm, trust-and-split"),
         (["play", "ipd", "-a", "tit-for-tat,nobody"], "unknown agent 'nobody' for ipd"),
         (["play", "ipd", "-a", "tit-for-tat"], "ipd needs 2 agents, one per seat (Alice, Bob)"),
-        (["play", "ipd", "-n", "0"], "the number of episodes must be at least 1"),
+        (["play", "ipd", "-n", "0"], "--episodes must be at least 1 (got 0)"),
         (["play", "ipd", "-n", "many"], "Invalid value for '--episodes'"),
         (["play", "ipd", "--seed", "-1"], "--seed must be a non-negative integer"),
         (["play", "ipd", "--split", "dev"], "unknown split 'dev'"),

@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import pytest
+from conftest import play
 
 import repertory.envs as envs
 from repertory.envs import Env, make
@@ -13,8 +14,6 @@ from repertory.envs.kernels import _load
 from repertory.envs.parsing import clean, last_tag
 from repertory.store import read_episodes, write_episodes
 from repertory.types import Action, Parsed, StepResult
-
-from conftest import play
 
 
 class GuessTheNumber(Env):
@@ -88,7 +87,13 @@ class GuessTheNumber(Env):
         return {"tries": float(self.tries)}
 
     def view(self, role: str) -> dict[str, Any]:
-        return {**self._base_view(role), "low": self.low, "high": self.high, "last": self.last, "secret": self.kernel.data["secret"] if role == "keeper" else None}
+        return {
+            **self._base_view(role),
+            "low": self.low,
+            "high": self.high,
+            "last": self.last,
+            "secret": self.kernel.data["secret"] if role == "keeper" else None,
+        }
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import copy
 import itertools
 import json
 import random
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -421,7 +422,10 @@ def test_snc_worked_example_in_a_longer_game():
     env, log = play(
         "split-no-comm",
         snc_kernel([WORKED_SNC] * 10),
-        {"Alice": script([claim(10, 2, 6)] + [claim(10, 10, 10)] * 9), "Bob": script([claim(0, 10, 5)] + [claim(10, 10, 10)] * 9)},
+        {
+            "Alice": script([claim(10, 2, 6)] + [claim(10, 10, 10)] * 9),
+            "Bob": script([claim(0, 10, 5)] + [claim(10, 10, 10)] * 9),
+        },
     )
     alice = Fraction(3535, 33)
     assert log.rewards["Alice"][0] == pytest.approx(float(alice / 1200), abs=1e-12)
@@ -461,7 +465,9 @@ M2 = ((10, 1, 10), (1, 10, 10))
     ],
 )
 def test_snc_m2(a_claim, b_claim, a_pts, b_pts, eff):
-    env, _ = play("split-no-comm", snc_kernel([M2]), {"Alice": script([claim(*a_claim)]), "Bob": script([claim(*b_claim)])})
+    env, _ = play(
+        "split-no-comm", snc_kernel([M2]), {"Alice": script([claim(*a_claim)]), "Bob": script([claim(*b_claim)])}
+    )
     res = env.result()
     assert res.roles["Alice"].points == pytest.approx(a_pts)
     assert res.roles["Bob"].points == pytest.approx(b_pts)
@@ -486,7 +492,9 @@ def test_snc_welfare_bots_on_m2():
 
 
 def test_snc_leftover_is_lost():
-    env, _ = play("split-no-comm", snc_kernel([M2]), {"Alice": script([claim(3, 0, 2)]), "Bob": script([claim(4, 1, 0)])})
+    env, _ = play(
+        "split-no-comm", snc_kernel([M2]), {"Alice": script([claim(3, 0, 2)]), "Bob": script([claim(4, 1, 0)])}
+    )
     res = env.result()
     assert res.roles["Alice"].points == pytest.approx(3 * 10 + 2 * 10)
     assert res.roles["Bob"].points == pytest.approx(4 * 1 + 1 * 10)
@@ -532,7 +540,8 @@ def test_snc_malformed_actions(text, expected, invalid):
     # consequence: Bob (greedy) gets 10 * x_B / (x_A + x_B) of each item
     bob_vals = vals(*M2[1])
     bob_pts = sum(
-        Fraction(10 * 10, 10 + e) * bob_vals[i] if e > 0 else Fraction(10 * bob_vals[i]) for i, e in zip(ITEMS, expected)
+        Fraction(10 * 10, 10 + e) * bob_vals[i] if e > 0 else Fraction(10 * bob_vals[i])
+        for i, e in zip(ITEMS, expected)
     )
     assert res.roles["Bob"].points == pytest.approx(float(bob_pts), abs=1e-9)
 
@@ -597,7 +606,14 @@ def test_tas_worked_example():
         {"Alice": alice, "Bob": bot("trust-and-split", "honest-cooperative")},
     )
     # order: Bob speaks, Alice replies, keeps; Alice speaks, Bob replies, keeps
-    assert [sorted(t) for t in log.texts] == [["Bob"], ["Alice"], ["Alice", "Bob"], ["Alice"], ["Bob"], ["Alice", "Bob"]]
+    assert [sorted(t) for t in log.texts] == [
+        ["Bob"],
+        ["Alice"],
+        ["Alice", "Bob"],
+        ["Alice"],
+        ["Bob"],
+        ["Alice", "Bob"],
+    ]
     assert log.texts[0]["Bob"] == "I have scissors."
     assert log.texts[4]["Bob"].startswith("I have scissors.")
     assert "rock" in log.texts[4]["Bob"]
@@ -753,7 +769,8 @@ def test_tas_malformed_keep(text, expected, invalid):
 
 
 @pytest.mark.parametrize(
-    "text", ["", "   ", "<propose>{}</propose>", "<propose>{", "I have rock <accept/>", "<think>plan</think>hi", "x" * 3000]
+    "text",
+    ["", "   ", "<propose>{}</propose>", "<propose>{", "I have rock <accept/>", "<think>plan</think>hi", "x" * 3000],
 )
 def test_tas_messages_are_never_invalid(text):
     env = make("trust-and-split")
@@ -785,7 +802,10 @@ def test_tas_keep_text_stays_private():
     env, log = play(
         "trust-and-split",
         tas_kernel("Alice", [("rock", "scissors"), ("paper", "scissors")]),
-        {"Alice": script(["m1", f"PINEAPPLE {keep(5)}", "m2", f"PINEAPPLE {keep(5)}"]), "Bob": bot("trust-and-split", "greedy")},
+        {
+            "Alice": script(["m1", f"PINEAPPLE {keep(5)}", "m2", f"PINEAPPLE {keep(5)}"]),
+            "Bob": bot("trust-and-split", "greedy"),
+        },
     )
     assert "PINEAPPLE" not in "\n".join(m.content for m in log.observations["Bob"])
 
@@ -850,8 +870,12 @@ def test_reciprocal_punishes_for_one_round():
     # r1: Alice (lower) claims truthfully and keeps 3 > 0 -> Bob is greedy in r2 only.
     # r2 (Bob first): Alice (upper) keeps 10. r3 (Alice first): Alice (upper) keeps 10.
     # r4 (Bob first): Alice rock (upper), keeps 10.
-    alice = script(["I have paper.", keep(3), "I have rock.", keep(10), "I have paper.", keep(10), "I have rock.", keep(10)])
-    _, log = play("trust-and-split", tas_kernel("Alice", hands), {"Alice": alice, "Bob": bot("trust-and-split", "reciprocal")})
+    alice = script(
+        ["I have paper.", keep(3), "I have rock.", keep(10), "I have paper.", keep(10), "I have rock.", keep(10)]
+    )
+    _, log = play(
+        "trust-and-split", tas_kernel("Alice", hands), {"Alice": alice, "Bob": bot("trust-and-split", "reciprocal")}
+    )
     bob_keeps = [s.parsed["Bob"].action.value["keep"] for s in log.steps if len(s.parsed) == 2]
     bob_msgs = [t["Bob"] for t in log.texts if list(t) == ["Bob"]]
     assert bob_keeps == [10, 10, 0, 0]
@@ -864,7 +888,9 @@ def test_reciprocal_forgives_zero_keep_and_upper_hand():
     hands = [("paper", "scissors"), ("rock", "scissors"), ("rock", "scissors")]
     # r1: Alice lower keeps 0 -> no punishment; r2: Alice upper keeps 10 -> no punishment.
     alice = script(["I have paper.", keep(0), "I have rock.", keep(10), "I have rock.", keep(10)])
-    _, log = play("trust-and-split", tas_kernel("Alice", hands), {"Alice": alice, "Bob": bot("trust-and-split", "reciprocal")})
+    _, log = play(
+        "trust-and-split", tas_kernel("Alice", hands), {"Alice": alice, "Bob": bot("trust-and-split", "reciprocal")}
+    )
     bob_keeps = [s.parsed["Bob"].action.value["keep"] for s in log.steps if len(s.parsed) == 2]
     assert bob_keeps == [10, 0, 0]
 
@@ -899,7 +925,12 @@ def test_tas_role_sees_only_own_hand(first):
         for hand in own_hands:
             assert hand in seen
         # the system prompt holds no per-kernel private information about the partner's hand
-        swapped = [(a, next(h for h in HANDS if h not in (a, b))) if viewer == "Alice" else (next(h for h in HANDS if h not in (a, b)), b) for a, b in hands]
+        swapped = [
+            (a, next(h for h in HANDS if h not in (a, b)))
+            if viewer == "Alice"
+            else (next(h for h in HANDS if h not in (a, b)), b)
+            for a, b in hands
+        ]
         env2 = make("trust-and-split")
         env2.reset(tas_kernel(first, swapped), 0)
         assert env2.observe(viewer)[0] == log.observations[viewer][0]
@@ -1185,7 +1216,9 @@ def test_kernels_match_independent_spec_generation(env_name, draw):
             seen.add(content)
             assert k.seed == seed
             if env_name == "split-no-comm":
-                got = [(tuple(v["Alice"][i] for i in ITEMS), tuple(v["Bob"][i] for i in ITEMS)) for v in k.data["values"]]
+                got = [
+                    (tuple(v["Alice"][i] for i in ITEMS), tuple(v["Bob"][i] for i in ITEMS)) for v in k.data["values"]
+                ]
                 assert tuple(got) == content
             else:
                 got = (k.data["first_speaker"], tuple((h["Alice"], h["Bob"]) for h in k.data["hands"]))

@@ -318,7 +318,13 @@ def test_integer_fields_reject_non_integers(value):
 
 @pytest.mark.parametrize(
     "payload,ok",
-    [('{"keep": 3.0}', True), ('{"keep": 3.5}', False), ('{"keep": true}', False), ('{"keep": "3"}', False), ('{"keep": NaN}', False)],
+    [
+        ('{"keep": 3.0}', True),
+        ('{"keep": 3.5}', False),
+        ('{"keep": true}', False),
+        ('{"keep": "3"}', False),
+        ('{"keep": NaN}', False),
+    ],
 )
 def test_integer_field_via_json(payload, ok):
     def read() -> int:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import play
 
 from repertory.agents import BotAgent, Request, Response
 from repertory.envs import env_class, load_kernels
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.types import RepertoryError
-
-from conftest import play
 
 
 class Counting:
@@ -55,7 +54,9 @@ def test_concurrency_limit_refills_and_keeps_spec_order():
 
 def test_on_episode_callback_sees_each_finished_episode():
     seen = []
-    episodes = run_episodes(schedule("ipd", [BotAgent("x", lambda v: "<choose>A</choose>")] * 2, 3, 0), on_episode=seen.append)
+    episodes = run_episodes(
+        schedule("ipd", [BotAgent("x", lambda v: "<choose>A</choose>")] * 2, 3, 0), on_episode=seen.append
+    )
     assert sorted(e.episode_id for e in seen) == sorted(e.episode_id for e in episodes)
 
 
@@ -107,7 +108,9 @@ def test_schedule_draws_kernels_without_replacement_and_is_seeded():
     assert [(s.kernel.id, s.episode_seed) for s in specs] == [(s.kernel.id, s.episode_seed) for s in again]
     other = schedule("ipd", [agent, agent], episodes=150, seed=5)
     assert [s.kernel.id for s in specs] != [s.kernel.id for s in other]
-    assert {s.kernel.id for s in schedule("ipd", [agent, agent], 3, 0, "heldout", kernel_index=7)} == {"ipd/heldout/007"}
+    assert {s.kernel.id for s in schedule("ipd", [agent, agent], 3, 0, "heldout", kernel_index=7)} == {
+        "ipd/heldout/007"
+    }
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,10 @@ import math
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import play
 
 from repertory.store import EpisodeStore, StoreError, read_episodes, write_episodes
 from repertory.types import Seat
-
-from conftest import play
 
 
 def _with_tokens(episodes):
@@ -122,4 +121,3 @@ def test_files_open_as_plain_tables(tmp_path):
     assert table.column("env").to_pylist() == ["trust-and-split"] * 2
     turns = table.column("turns").to_pylist()[0]
     assert len(turns) == 40 and turns[0]["observation"][0]["role"] == "system"
-

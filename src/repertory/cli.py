@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -33,10 +32,13 @@ out = Console(highlight=False, soft_wrap=True)
 SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 
-def _check_split(split: str) -> str:
+def _check_run_options(split: str, seed: int, episodes: int) -> None:
     if split not in SPLITS:
         raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    return split
+    if seed < 0:
+        raise RepertoryError(f"--seed must be a non-negative integer (got {seed})")
+    if episodes < 1:
+        raise RepertoryError(f"--episodes must be at least 1 (got {episodes})")
 
 
 def _agents_for(env: str, specs: list[str]) -> dict[str, Agent]:
@@ -55,7 +57,13 @@ def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list i
     classes = [env_class(name) for name in env_names()]
     if as_json:
         rows = [
-            {"name": c.name, "roles": list(c.roles), "role_labels": list(c.role_labels), "bots": list(c.bots), "description": c.description}
+            {
+                "name": c.name,
+                "roles": list(c.roles),
+                "role_labels": list(c.role_labels),
+                "bots": list(c.bots),
+                "description": c.description,
+            }
             for c in classes
         ]
         print(json.dumps(rows, indent=2))
@@ -89,7 +97,9 @@ def _print_transcript(ep: Episode, full: bool) -> None:
         style, name = styles[turn.seat_id], names[turn.seat_id]
         for m in turn.observation:
             if m.role == "system" and not full:
-                out.print(Text(f"  [{name} sees the rules and private information; --full shows them]", style=f"dim {style}"))
+                out.print(
+                    Text(f"  [{name} sees the rules and private information; --full shows them]", style=f"dim {style}")
+                )
             else:
                 out.print(_seen(name, m.content, style))
         line = Text(f"{name} ▸ ", style=f"bold {style}") + Text(turn.text)
@@ -110,7 +120,13 @@ def _print_summary(episodes: list[Episode]) -> None:
         table.add_column(column)
     for seat, agent in zip(episodes[0].seats, stats.agents):
         p, o = stats.points[seat.name], stats.outcome[seat.name]
-        table.add_row(seat.name, agent, f"{p[0]:.4g} ± {p[1]:.2g}", f"{o[0]:.4f} ± {o[1]:.4f}", f"{stats.invalid_rate[seat.name]:.3f}")
+        table.add_row(
+            seat.name,
+            agent,
+            f"{p[0]:.4g} ± {p[1]:.2g}",
+            f"{o[0]:.4f} ± {o[1]:.4f}",
+            f"{stats.invalid_rate[seat.name]:.3f}",
+        )
     out.print(table)
     if stats.metrics:
         metrics = Table(title="metrics (mean over episodes)")
@@ -124,26 +140,25 @@ def _print_summary(episodes: list[Episode]) -> None:
 @app.command()
 def play(
     env: str = typer.Argument(..., help="Environment name (see `repertory envs`)."),
-    agents: Optional[str] = typer.Option(None, "--agents", "-a", help="Comma-separated agent per seat, in seat order."),
+    agents: str | None = typer.Option(None, "--agents", "-a", help="Comma-separated agent per seat, in seat order."),
     episodes: int = typer.Option(1, "--episodes", "-n", help="Number of episodes."),
     seed: int = typer.Option(0, "--seed", "-s", help="Master seed: kernels and episode seeds derive from it."),
     split: str = typer.Option("train", "--split", help="Kernel split: train or heldout."),
-    kernel: Optional[int] = typer.Option(None, "--kernel", "-k", help="Play only this kernel index of the split."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Append the episodes to this Parquet episode store."),
+    kernel: int | None = typer.Option(None, "--kernel", "-k", help="Play only this kernel index of the split."),
+    out_dir: Path | None = typer.Option(None, "--out", help="Append the episodes to this Parquet episode store."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per episode on stdout instead of transcripts."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the summary, no transcripts."),
     full: bool = typer.Option(False, "--full", help="Show each seat's system prompt in transcripts."),
 ) -> None:
     """Run episodes with bots, scripts or yourself at the terminal, and print transcripts."""
     cls = env_class(env)
-    _check_split(split)
-    if seed < 0:
-        raise RepertoryError(f"--seed must be a non-negative integer (got {seed})")
-    specs = [s.strip() for s in agents.split(",")] if agents else list(cls.bots)[: len(cls.roles)]
+    _check_run_options(split, seed, episodes)
+    example = list(cls.bots)[: len(cls.roles)]
+    specs = [s.strip() for s in agents.split(",")] if agents else example
     if len(specs) != len(cls.roles) or not all(specs):
         raise RepertoryError(
-            f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}), "
-            f"for example --agents {','.join(list(cls.bots)[: len(cls.roles)])}; choose from {', '.join(agent_names(cls))}"
+            f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}), for example "
+            f"--agents {','.join(example)}; choose from {', '.join(agent_names(cls))}"
         )
     store = EpisodeStore(out_dir) if out_dir else None
     built = _agents_for(env, specs)
@@ -184,23 +199,21 @@ def _print_crossplay(result: CrossPlay) -> None:
 
 @app.command()
 def tournament(
-    env: Optional[list[str]] = typer.Option(None, "--env", "-e", help="Environment(s); default: all."),
-    agents: Optional[str] = typer.Option(None, "--agents", "-a", help="Comma-separated agents; default: every bot of each environment."),
+    env: list[str] | None = typer.Option(None, "--env", "-e", help="Environment(s); default: all."),
+    agents: str | None = typer.Option(
+        None, "--agents", "-a", help="Comma-separated agents; default: every bot of each environment."
+    ),
     episodes: int = typer.Option(10, "--episodes", "-n", help="Episodes per ordered pair."),
     seed: int = typer.Option(0, "--seed", "-s", help="Master seed."),
     split: str = typer.Option("heldout", "--split", help="Kernel split: train or heldout."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Append all episodes to this Parquet episode store."),
+    out_dir: Path | None = typer.Option(None, "--out", help="Append all episodes to this Parquet episode store."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per environment instead of tables."),
 ) -> None:
     """Cross-play tournament: every ordered pair of agents, on the same kernels and seeds."""
     names = env or env_names()
     for name in names:
         env_class(name)
-    _check_split(split)
-    if episodes < 1:
-        raise RepertoryError(f"--episodes must be at least 1 (got {episodes})")
-    if seed < 0:
-        raise RepertoryError(f"--seed must be a non-negative integer (got {seed})")
+    _check_run_options(split, seed, episodes)
     store = EpisodeStore(out_dir) if out_dir else None
     for name in names:
         specs = [s.strip() for s in agents.split(",")] if agents else list(env_class(name).bots)

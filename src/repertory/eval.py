@@ -8,8 +8,8 @@ All pairs run through the rollout engine together: one batched call per agent pe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from repertory.agents import Agent
 from repertory.envs import env_class

@@ -9,8 +9,8 @@ episodes. Each episode owns its environment instance; nothing is shared between 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from repertory.agents import Agent, Request, Response
 from repertory.envs import env_class, load_kernels, make
@@ -174,7 +174,9 @@ def schedule(
     if episodes < 1:
         raise RepertoryError(f"the number of episodes must be at least 1 (got {episodes})")
     if len(agents) != len(cls.roles):
-        raise RepertoryError(f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}); got {len(agents)}")
+        raise RepertoryError(
+            f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}); got {len(agents)}"
+        )
     kernels = load_kernels(env, split)
     if kernel_index is not None and not 0 <= kernel_index < len(kernels):
         raise RepertoryError(f"kernel index must be in 0..{len(kernels) - 1} (got {kernel_index})")

@@ -13,8 +13,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -175,7 +176,8 @@ def _row_episode(row: dict[str, Any]) -> Episode:
         ],
         result=Result(
             roles={
-                r["name"]: RoleResult(r["points"], r["outcome"], r["n_turns"], r["n_invalid"]) for r in row["result_roles"]
+                r["name"]: RoleResult(r["points"], r["outcome"], r["n_turns"], r["n_invalid"])
+                for r in row["result_roles"]
             },
             end_reason=row["end_reason"],
             info=json.loads(row["result_info"]),

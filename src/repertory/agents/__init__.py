@@ -13,9 +13,10 @@ model in self-play) answers all of them in one batch. Agent specs on the command
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from repertory.envs import Env
 from repertory.types import Message, RepertoryError

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from repertory.types import Kernel, Message, Parsed, Result, RoleResult, StepResult
 

@@ -10,7 +10,7 @@ them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,7 +67,7 @@ def write_kernels(env: type[Env], root: Path) -> list[Path]:
     return paths
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
     from repertory.envs import env_class
 
@@ -77,7 +77,9 @@ def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
     resource = resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
     if not resource.is_file():
         return tuple(generate_kernels(env)[split])
-    kernels = tuple(Kernel.from_json(line) for line in resource.read_text(encoding="utf-8").splitlines() if line.strip())
+    kernels = tuple(
+        Kernel.from_json(line) for line in resource.read_text(encoding="utf-8").splitlines() if line.strip()
+    )
     for kernel in kernels:
         problems = env.validate_kernel(kernel.data)
         if problems:
@@ -89,4 +91,3 @@ def load_kernels(env_name: str, split: str) -> list[Kernel]:
     """The kernels of one split in index order: the shipped file, or (for an environment that ships
     none, such as one registered by a user) the deterministic generation of 1.5."""
     return list(_load(env_name, split))
-

@@ -38,17 +38,16 @@ class TagMatch:
     end: int
 
 
-def find_tags(text: str, content_tags: frozenset[str] = frozenset(), empty_tags: frozenset[str] = frozenset()) -> list[TagMatch]:
+def find_tags(
+    text: str, content_tags: frozenset[str] = frozenset(), empty_tags: frozenset[str] = frozenset()
+) -> list[TagMatch]:
     """All action tags of the current phase in ``text``, in order (rules 3-5).
 
     Content tags need a closing tag; one whose closing tag never comes (or comes only after
     another opening of the same tag) is malformed. Empty tags may be written ``<a/>``, ``<a />``,
     ``<a></a>`` or a bare ``<a>``. Any other tag, or a stray closing tag, is plain text.
     """
-    tokens = [
-        (m.group(2).lower(), bool(m.group(1)), bool(m.group(3)), m.start(), m.end())
-        for m in _TAG.finditer(text)
-    ]
+    tokens = [(m.group(2).lower(), bool(m.group(1)), bool(m.group(3)), m.start(), m.end()) for m in _TAG.finditer(text)]
     found: list[TagMatch] = []
     i = 0
     while i < len(tokens):
@@ -81,7 +80,9 @@ def find_tags(text: str, content_tags: frozenset[str] = frozenset(), empty_tags:
     return found
 
 
-def last_tag(text: str, content_tags: frozenset[str] = frozenset(), empty_tags: frozenset[str] = frozenset()) -> TagMatch | None:
+def last_tag(
+    text: str, content_tags: frozenset[str] = frozenset(), empty_tags: frozenset[str] = frozenset()
+) -> TagMatch | None:
     """The action tag that counts: the last one, valid or not (rule 6)."""
     found = find_tags(text, content_tags, empty_tags)
     return found[-1] if found else None
