@@ -57,7 +57,7 @@ class GuessTheNumber(Env):
             return Parsed(None, "no valid <guess>", invalid=True)
         return Parsed(Action("guess", int(tag.payload.strip())))
 
-    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
         (role,) = parsed
         if role == "keeper":
             self.tell("guesser", f"keeper says: {parsed[role].action.value}")

@@ -92,7 +92,7 @@ class Env(ABC):
         """What ``step`` would make of ``text`` from ``role`` now; pure."""
 
     @abstractmethod
-    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
         """Advance the game with the parsed actions of all acting roles."""
 
     @abstractmethod
@@ -149,7 +149,7 @@ class Env(ABC):
         for role in acting:
             self.n_turns[role] += 1
             self.n_invalid[role] += parsed[role].invalid
-        return self._apply(parsed, actions)
+        return self._apply(parsed)
 
     def result(self) -> Result:
         """Per-role points, outcome, turns and invalid actions; end reason; kernel id."""
@@ -224,6 +224,21 @@ class RoundGame(Env):
     def _n_rounds(cls, data: dict[str, Any]) -> int:
         """Rounds in a kernel."""
 
+    @staticmethod
+    def _check_rounds(rounds: object, field: str, round_ok: Callable[[Any], bool], rule: str) -> list[str]:
+        """Problems with a kernel's per-round list: not a non-empty list, or rounds breaking ``rule``."""
+        if not isinstance(rounds, list) or not rounds:
+            return [f"{field} must be a non-empty list of rounds"]
+        problems = []
+        for r, item in enumerate(rounds, 1):
+            try:
+                ok = round_ok(item)
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                problems.append(f"round {r}: {rule}")
+        return problems
+
     @abstractmethod
     def _z(self, role: str) -> Fraction:
         """The normaliser: the most points the role could score over the episode."""
@@ -248,12 +263,25 @@ class RoundGame(Env):
     def outcome(self, role: str) -> float:
         return float(self.points[role] / self._z(role))
 
-    def _finish_round(self, record: dict[str, Any], round_points: dict[str, Fraction]) -> dict[str, float]:
-        """Bank the round, move on, and return the per-round rewards ``points / Z``."""
+    def _close_round(
+        self,
+        parsed: dict[str, Parsed],
+        record: dict[str, Any],
+        round_points: dict[str, Fraction],
+        feedback: Callable[[str], str],
+        event: str,
+    ) -> StepResult:
+        """Bank the round, tell each role ``feedback(role)``, open the next round (or end), and
+        emit the per-round rewards ``points / Z``."""
         self.history.append(record)
         for role, p in round_points.items():
             self.points[role] += p
+        for role in self.roles:
+            self.tell(role, feedback(role))
         self.round += 1
         if self.done:
             self.end_reason = "rounds_complete"
-        return {role: float(p / self._z(role)) for role, p in round_points.items()}
+        else:
+            self._start_round()
+        rewards = {role: float(p / self._z(role)) for role, p in round_points.items()}
+        return StepResult(parsed, rewards, [event])

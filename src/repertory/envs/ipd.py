@@ -105,23 +105,22 @@ class IteratedPrisonersDilemma(RoundGame):
             return Parsed(Action("choose", "B"), f"{tag.payload.strip()!r} is not A or B; counted as B", invalid=True)
         return Parsed(Action("choose", move))
 
-    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
         alice, bob = self.roles
         moves = {r: parsed[r].action.value for r in self.roles}  # type: ignore[union-attr]
         pa, pb = PAYOFF[(moves[alice], moves[bob])]
         round_points = {alice: Fraction(pa), bob: Fraction(pb)}
-        finished = self.round
-        rewards = self._finish_round({"moves": moves, "points": {alice: pa, bob: pb}}, round_points)
-        for role in self.roles:
-            self.tell(
-                role,
-                f"Round {finished}: you chose {moves[role]}, the other player chose {moves[other(self.roles, role)]}. "
-                f"You scored {round_points[role]}; your total is {self.points[role]}.",
-            )
-        if not self.done:
-            self._start_round()
-        event = f"Round {finished}: {alice} {moves[alice]}, {bob} {moves[bob]} -> {pa}/{pb}"
-        return StepResult(parsed, rewards, [event])
+        partner = {alice: bob, bob: alice}
+        return self._close_round(
+            parsed,
+            {"moves": moves, "points": {alice: pa, bob: pb}},
+            round_points,
+            lambda role: (
+                f"Round {self.round}: you chose {moves[role]}, the other player chose {moves[partner[role]]}. "
+                f"You scored {round_points[role]}; your total is {self.points[role]}."
+            ),
+            f"Round {self.round}: {alice} {moves[alice]}, {bob} {moves[bob]} -> {pa}/{pb}",
+        )
 
     def view(self, role: str) -> dict[str, Any]:
         partner = other(self.roles, role)

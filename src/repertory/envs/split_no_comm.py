@@ -26,7 +26,9 @@ def welfare_maximizing(view: dict[str, Any]) -> str:
 
 
 def _round_is_valid(a: dict[str, int], b: dict[str, int]) -> bool:
-    return any(a[i] != b[i] for i in ITEMS) and sum(a.values()) == sum(b.values())
+    """Values of 1 or 10, at least one item valued differently, equal totals."""
+    in_range = all(v[i] in (1, 10) for v in (a, b) for i in ITEMS)
+    return in_range and any(a[i] != b[i] for i in ITEMS) and sum(a[i] for i in ITEMS) == sum(b[i] for i in ITEMS)
 
 
 class SplitNoComm(RoundGame):
@@ -57,18 +59,14 @@ class SplitNoComm(RoundGame):
         problems = []
         if data.get("names") != list(cls.roles) or data.get("items") != list(ITEMS) or data.get("quantity") != QUANTITY:
             problems.append(f"names, items and quantity must be {list(cls.roles)}, {list(ITEMS)}, {QUANTITY}")
-        rounds = data.get("values")
-        if not isinstance(rounds, list) or not rounds:
-            return problems + ["values must be a non-empty list of rounds"]
-        for r, values in enumerate(rounds, 1):
-            try:
-                a, b = values["Alice"], values["Bob"]
-                ok = all(a[i] in (1, 10) and b[i] in (1, 10) for i in ITEMS) and _round_is_valid(a, b)
-            except (KeyError, TypeError):
-                ok = False
-            if not ok:
-                problems.append(f"round {r}: values must be 1 or 10, differ on some item and have equal totals")
-        return problems
+        return problems + cls._check_rounds(
+            data.get("values"),
+            "values",
+            lambda v: (
+                all(v[r][i] in (1, 10) for r in cls.roles for i in ITEMS) and _round_is_valid(v["Alice"], v["Bob"])
+            ),
+            "values must be 1 or 10, differ on some item and have equal totals",
+        )
 
     @classmethod
     def _n_rounds(cls, data: dict[str, Any]) -> int:
@@ -130,7 +128,7 @@ class SplitNoComm(RoundGame):
             return Parsed(nothing, f"{exc}; you claim nothing", invalid=True)
         return Parsed(Action("propose", claim))
 
-    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
         claims = {r: parsed[r].action.value for r in self.roles}  # type: ignore[union-attr]
         values = self._values(self.round)
         received: dict[str, dict[str, Fraction]] = {r: {} for r in self.roles}
@@ -139,26 +137,26 @@ class SplitNoComm(RoundGame):
                 received[role][item] = q
         round_points = {r: sum((received[r][i] * values[r][i] for i in ITEMS), Fraction(0)) for r in self.roles}
         best = sum(QUANTITY * max(values[r][i] for r in self.roles) for i in ITEMS)
-        finished = self.round
-        record = {"claims": claims, "received": received, "points": round_points, "best": best}
-        rewards = self._finish_round(record, round_points)
-        for role in self.roles:
+        alice, bob = self.roles
+
+        def feedback(role: str) -> str:
             partner = other(self.roles, role)
-            self.tell(
-                role,
-                f"Round {finished}: you claimed {_counts(claims[role])}; {partner} claimed {_counts(claims[partner])}. "
+            return (
+                f"Round {self.round}: you claimed {_counts(claims[role])}; "
+                f"{partner} claimed {_counts(claims[partner])}. "
                 f"You received {_counts(received[role])}, worth {fmt(round_points[role])} points; "
                 f"{partner} received {_counts(received[partner])}, worth {fmt(round_points[partner])} points. "
-                f"Your total is {fmt(self.points[role])}.",
+                f"Your total is {fmt(self.points[role])}."
             )
-        if not self.done:
-            self._start_round()
-        alice, bob = self.roles
-        event = (
-            f"Round {finished}: {alice} claims {_counts(claims[alice])}, {bob} claims {_counts(claims[bob])} "
-            f"-> {fmt(round_points[alice])}/{fmt(round_points[bob])}"
+
+        return self._close_round(
+            parsed,
+            {"claims": claims, "received": received, "points": round_points, "best": best},
+            round_points,
+            feedback,
+            f"Round {self.round}: {alice} claims {_counts(claims[alice])}, {bob} claims {_counts(claims[bob])} "
+            f"-> {fmt(round_points[alice])}/{fmt(round_points[bob])}",
         )
-        return StepResult(parsed, rewards, [event])
 
     def view(self, role: str) -> dict[str, Any]:
         partner = other(self.roles, role)

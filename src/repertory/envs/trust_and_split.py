@@ -90,17 +90,12 @@ class TrustAndSplit(RoundGame):
             problems.append(f"names must be {list(cls.roles)}")
         if data.get("first_speaker") not in cls.roles:
             problems.append(f"first_speaker must be one of {list(cls.roles)}")
-        hands = data.get("hands")
-        if not isinstance(hands, list) or not hands:
-            return problems + ["hands must be a non-empty list of rounds"]
-        for r, pair in enumerate(hands, 1):
-            try:
-                ok = pair["Alice"] in HANDS and pair["Bob"] in HANDS and pair["Alice"] != pair["Bob"]
-            except (KeyError, TypeError):
-                ok = False
-            if not ok:
-                problems.append(f"round {r}: both hands must be rock, paper or scissors, and differ")
-        return problems
+        return problems + cls._check_rounds(
+            data.get("hands"),
+            "hands",
+            lambda pair: pair["Alice"] in HANDS and pair["Bob"] in HANDS and pair["Alice"] != pair["Bob"],
+            "both hands must be rock, paper or scissors, and differ",
+        )
 
     @classmethod
     def _n_rounds(cls, data: dict[str, Any]) -> int:
@@ -176,7 +171,7 @@ class TrustAndSplit(RoundGame):
             return Parsed(nothing, f"{exc}; you keep 0 coins", invalid=True)
         return Parsed(Action("propose", {"keep": keep}))
 
-    def _apply(self, parsed: dict[str, Parsed], texts: dict[str, str]) -> StepResult:
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
         if self.phase == "message":
             return self._deliver(parsed)
         return self._split(parsed)
@@ -209,32 +204,30 @@ class TrustAndSplit(RoundGame):
         coins = proportional_split(keeps, COINS)
         values = {r: self._coin_value(r, self.round) for r in self.roles}
         round_points = {r: coins[r] * values[r] for r in self.roles}
-        finished = self.round
+        hands = dict(self._hands(self.round))
         record = {
-            "hands": dict(self._hands(finished)),
+            "hands": hands,
             "messages": dict(self.messages),
             "keeps": keeps,
             "coins": coins,
             "points": round_points,
         }
-        rewards = self._finish_round(record, round_points)
-        for role in self.roles:
+
+        def feedback(role: str) -> str:
             partner = other(self.roles, role)
             side = "upper" if values[partner] == 10 else "lower"
-            self.tell(
-                role,
-                f"Round {finished} result: {partner} had the {side} hand and kept {keeps[partner]} coins. "
+            return (
+                f"Round {self.round} result: {partner} had the {side} hand and kept {keeps[partner]} coins. "
                 f"You kept {keeps[role]} and received {fmt(coins[role])} coins worth {fmt(round_points[role])} "
-                f"points; your total is {fmt(self.points[role])}.",
+                f"points; your total is {fmt(self.points[role])}."
             )
-        if not self.done:
-            self._start_round()
+
         alice, bob = self.roles
         event = (
-            f"Round {finished}: {alice} ({record['hands'][alice]}) keeps {keeps[alice]}, "
-            f"{bob} ({record['hands'][bob]}) keeps {keeps[bob]} -> {fmt(round_points[alice])}/{fmt(round_points[bob])}"
+            f"Round {self.round}: {alice} ({hands[alice]}) keeps {keeps[alice]}, {bob} ({hands[bob]}) keeps "
+            f"{keeps[bob]} -> {fmt(round_points[alice])}/{fmt(round_points[bob])}"
         )
-        return StepResult(parsed, rewards, [event])
+        return self._close_round(parsed, record, round_points, feedback, event)
 
     def view(self, role: str) -> dict[str, Any]:
         partner = other(self.roles, role)
