@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from repertory.agents import Agent, agent_names, make_agent
+from repertory.agents import Agent, LMOptions, agent_names, make_agent
 from repertory.envs import env_class, env_names
 from repertory.eval import CrossPlay, crossplay, summarize
 from repertory.rollout import run_episodes, schedule
@@ -41,14 +41,29 @@ def _check_run_options(split: str, seed: int, episodes: int) -> None:
         raise RepertoryError(f"--episodes must be at least 1 (got {episodes})")
 
 
-def _agents_for(env: str, specs: list[str]) -> dict[str, Agent]:
+def _agents_for(env: str, specs: list[str], lm: LMOptions | None = None) -> dict[str, Agent]:
     """One agent object per distinct spec, so a spec in several seats is served in one batch."""
     cls = env_class(env)
     built: dict[str, Agent] = {}
     for spec in specs:
         if spec not in built:
-            built[spec] = make_agent(spec, cls)
+            built[spec] = make_agent(spec, cls, lm)
     return built
+
+
+def _lm_options(
+    model: str, temperature: float, top_p: float, max_new_tokens: int, constrained: bool, seed: int
+) -> LMOptions:
+    if temperature < 0:
+        raise RepertoryError(f"--temperature must be >= 0 (got {temperature})")
+    if not 0 < top_p <= 1:
+        raise RepertoryError(f"--top-p must be in (0, 1] (got {top_p})")
+    if max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    return LMOptions(model, temperature, top_p, max_new_tokens, constrained, seed)
+
+
+MODEL_HELP = "Model for `model` agents: the embedded SmolLM2-135M-Instruct, or a Hugging Face checkpoint directory."
 
 
 @app.command()
@@ -149,8 +164,15 @@ def play(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per episode on stdout instead of transcripts."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the summary, no transcripts."),
     full: bool = typer.Option(False, "--full", help="Show each seat's system prompt in transcripts."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature of `model` agents (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling of `model` agents."),
+    max_new_tokens: int = typer.Option(400, "--max-new-tokens", help="Token budget per turn of `model` agents."),
+    constrained: bool = typer.Option(
+        False, "--constrained", help="Restrict `model` agents to valid actions where the action is a finite set."
+    ),
 ) -> None:
-    """Run episodes with bots, scripts or yourself at the terminal, and print transcripts."""
+    """Run episodes with models, bots, scripts or yourself at the terminal, and print transcripts."""
     cls = env_class(env)
     _check_run_options(split, seed, episodes)
     example = list(cls.bots)[: len(cls.roles)]
@@ -161,7 +183,7 @@ def play(
             f"--agents {','.join(example)}; choose from {', '.join(agent_names(cls))}"
         )
     store = EpisodeStore(out_dir) if out_dir else None
-    built = _agents_for(env, specs)
+    built = _agents_for(env, specs, _lm_options(model, temperature, top_p, max_new_tokens, constrained, seed))
     played = run_episodes(schedule(env, [built[s] for s in specs], episodes, seed, split, kernel))
     if as_json:
         for ep in played:

@@ -54,7 +54,15 @@ class _Running:
         for role in self.env.acting_roles():
             seat = self.env.seat_index(role)
             self.chats[role].extend(self.env.observe(role))
-            request = Request(self.spec.episode_id, seat, role, list(self.chats[role]), self.env.view(role))
+            request = Request(
+                self.spec.episode_id,
+                seat,
+                role,
+                list(self.chats[role]),
+                self.env.view(role),
+                turn_index=self.env.n_turns[role],
+                choices=self.env.action_choices(role),
+            )
             out.append((self.spec.agents[seat], request))
         return out
 
@@ -67,7 +75,7 @@ class _Running:
             parsed = result.parsed[role]
             turn = Turn(
                 seat_id=f"p{seat}",
-                turn_index=sum(t.seat_id == f"p{seat}" for t in self.turns),
+                turn_index=request.turn_index,
                 global_step=self.tick,
                 game_round=game_round,
                 observation=request.observation,

@@ -221,6 +221,9 @@ class Episode:
             "outcome": {n: self.result.roles[n].outcome for n in names},
             "n_turns": {n: self.result.roles[n].n_turns for n in names},
             "n_invalid": {n: self.result.roles[n].n_invalid for n in names},
+            "response_tokens": {
+                s.name: sum(len(t.response_ids) for t in self.trajectory(s.seat_id)) for s in self.seats
+            },
             "end_reason": self.result.end_reason,
             "metrics": dict(self.metrics),
         }

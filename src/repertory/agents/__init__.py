@@ -4,6 +4,8 @@ The rollout engine gathers every pending request of every running episode, group
 and makes one ``act`` call per agent per tick, so an agent that serves many seats (a language
 model in self-play) answers all of them in one batch. Agent specs on the command line:
 
+- ``model``: the language model (the embedded SmolLM2 unless ``--model PATH``); ``model:PATH``
+  another checkpoint, for LM-vs-LM line-ups;
 - a bot name of the environment (``tit-for-tat``, ``greedy``, ...; ``repertory envs`` lists them);
 - ``script:FILE``: replays one response per line of FILE for each seat of each episode, from the
   first line, starting over when the file is exhausted (``\\n`` in a line is a newline);
@@ -24,13 +26,20 @@ from repertory.types import Message, RepertoryError
 
 @dataclass
 class Request:
-    """One seat of one episode that must act now: its whole chat so far and its structured view."""
+    """One seat of one episode that must act now.
+
+    ``messages`` is the seat's whole chat so far, ``view`` its knowledge as structured data (for
+    bots), ``turn_index`` counts the seat's own turns, and ``choices`` lists every complete valid
+    response when the action here is a finite set (None for free text).
+    """
 
     episode_id: str
     seat: int
     role: str
     messages: list[Message]
     view: dict[str, Any]
+    turn_index: int = 0
+    choices: list[str] | None = None
 
     @property
     def observation(self) -> list[Message]:
@@ -59,6 +68,19 @@ class Agent(Protocol):
     policy_id: str
 
     def act(self, requests: list[Request]) -> list[Response]: ...
+
+
+@dataclass(frozen=True)
+class LMOptions:
+    """How ``model`` agents are built: which model, how to sample, constrained actions, seed."""
+
+    model: str = "smollm2"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 400
+    constrained: bool = False
+    seed: int = 0
+    device: str | None = None
 
 
 class BotAgent:
@@ -144,11 +166,18 @@ class HumanAgent:
 
 def agent_names(env: type[Env]) -> list[str]:
     """Agent specs valid for ``env``: its bots, then the generic agents."""
-    return [*env.bots, "script:FILE", "human"]
+    return [*env.bots, "model", "model:PATH", "script:FILE", "human"]
 
 
-def make_agent(spec: str, env: type[Env]) -> Agent:
-    """Build the agent named by ``spec`` for ``env``; unknown specs list the valid ones."""
+def make_agent(spec: str, env: type[Env], lm: LMOptions | None = None) -> Agent:
+    """Build the agent named by ``spec`` for ``env``; unknown specs list the valid ones.
+
+    ``lm`` configures ``model`` agents (model, sampling, constrained actions, seed).
+    """
+    if spec == "model" or spec.startswith("model:"):
+        from repertory.agents.lm import make_lm_agent
+
+        return make_lm_agent(spec, lm or LMOptions())
     if spec in env.bots:
         return BotAgent(spec, env.bots[spec])
     if spec.startswith("script:"):

@@ -112,6 +112,11 @@ class Env(ABC):
         """The current round (1-based) in round-based games; 0 elsewhere."""
         return 0
 
+    def action_choices(self, role: str) -> list[str] | None:
+        """Every complete valid response of ``role`` now, when that is a finite set (for constrained
+        decoding); None where the role writes free text."""
+        return None
+
     def seat_index(self, role: str) -> int:
         """0-based seat index of a display name."""
         return self.roles.index(role)

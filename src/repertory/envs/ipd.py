@@ -94,6 +94,9 @@ class IteratedPrisonersDilemma(RoundGame):
     def acting_roles(self) -> list[str]:
         return [] if self.done else list(self.roles)
 
+    def action_choices(self, role: str) -> list[str] | None:
+        return [_choice("A"), _choice("B")]
+
     def parse(self, role: str, text: str) -> Parsed:
         tag = last_tag(clean(text), content_tags=CHOOSE)
         if tag is None:

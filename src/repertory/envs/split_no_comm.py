@@ -20,6 +20,14 @@ def _claim(claim: dict[str, int]) -> str:
     return f"<propose>{{{body}}}</propose>"
 
 
+ALL_CLAIMS = [
+    _claim({"hats": h, "books": b, "balls": l})
+    for h in range(QUANTITY + 1)
+    for b in range(QUANTITY + 1)
+    for l in range(QUANTITY + 1)
+]
+
+
 def welfare_maximizing(view: dict[str, Any]) -> str:
     own, theirs = view["values"]["own"], view["values"]["other"]
     return _claim({i: 10 if own[i] > theirs[i] else 5 if own[i] == theirs[i] else 0 for i in ITEMS})
@@ -110,6 +118,9 @@ class SplitNoComm(RoundGame):
 
     def acting_roles(self) -> list[str]:
         return [] if self.done else list(self.roles)
+
+    def action_choices(self, role: str) -> list[str] | None:
+        return ALL_CLAIMS
 
     def parse(self, role: str, text: str) -> Parsed:
         nothing = Action("propose", {i: 0 for i in ITEMS})

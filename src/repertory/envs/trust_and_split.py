@@ -154,6 +154,9 @@ class TrustAndSplit(RoundGame):
         speaker = self.speaker(self.round)
         return [speaker] if not self.messages else [other(self.roles, speaker)]
 
+    def action_choices(self, role: str) -> list[str] | None:
+        return [_keep(x) for x in range(COINS + 1)] if self.phase == "keep" else None
+
     def parse(self, role: str, text: str) -> Parsed:
         if self.phase == "message":
             return Parsed(Action("message", clean(text, MAX_MESSAGE_CHARS)))

