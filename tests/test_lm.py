@@ -201,3 +201,22 @@ def test_lm_options_reach_the_agent(tokenizer, tmp_path):
     assert (agent.params.temperature, agent.params.max_new_tokens, agent.constrained, agent.seed) == (0.5, 7, True, 9)
     other = make_agent(f"model:{tmp_path / 'm'}", env_class("ipd"), LMOptions())
     assert other.backend is agent.backend and other.name == f"model:{tmp_path / 'm'}"
+
+
+def test_prefix_reuse_changes_nothing_but_the_work(tokenizer):
+    def play(prefix_cache_tokens):
+        backend = HFBackend(tiny_model(tokenizer, seed=7), prefix_cache_tokens=prefix_cache_tokens)
+        agent = _agent(backend, constrained=True)
+        episodes = run_episodes(schedule("trust-and-split", [agent, agent], episodes=2, seed=4))
+        return episodes, backend.stats
+
+    cached, with_stats = play(32768)
+    fresh, without_stats = play(0)
+    assert [[t.response_ids for t in ep.turns] for ep in cached] == [[t.response_ids for t in ep.turns] for ep in fresh]
+    for a, b in zip(cached, fresh):
+        for x, y in zip(a.turns, b.turns):
+            assert x.prompt_ids == y.prompt_ids
+            assert max(abs(p - q) for p, q in zip(x.logp_sample, y.logp_sample)) < 1e-4
+    assert without_stats.reused_prompt_tokens == 0
+    assert with_stats.cache_hit_rate > 0.6
+    assert with_stats.prompt_tokens == without_stats.prompt_tokens

@@ -6,6 +6,11 @@ cache; rows that finish are dropped from the batch so the rest run on. For every
 records ``log softmax(logits / T)[token]`` over the full vocabulary — the quantity the learner
 recomputes (algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
 
+Prefix reuse: a caller may name each row with a cache key (the LM agent uses episode and seat).
+After a row finishes, its keys and values are kept; when the same key comes back with a prompt
+that extends the stored tokens (a role's growing chat), only the new suffix is encoded. Kept
+prefixes are evicted least-recently-used beyond a token budget.
+
 Each row draws its randomness from its own seed, so a row's tokens do not depend on which other
 rows share its batch. Constrained rows may only produce one of a finite set of complete responses:
 their logits are masked to the children of the current node of a token trie built from the
@@ -15,11 +20,12 @@ tokenised choices (each followed by the end-of-turn token).
 from __future__ import annotations
 
 import inspect
-import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from repertory.models import LoadedModel
 
@@ -73,15 +79,32 @@ class GenerationStats:
 
     calls: int = 0
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
     generated_tokens: int = 0
     forward_passes: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of prompt tokens whose keys and values came from a kept prefix."""
+        return self.reused_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Prefix:
+    token_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [heads, tokens, head_dim]
+
+
+MIN_REUSE = 8
 
 
 class HFBackend:
     """Batched sampling with a transformers causal LM (CPU in float32, GPU in bfloat16)."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 64):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 64, prefix_cache_tokens: int = 32768):
         self.loaded = loaded
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_batch = max_batch
@@ -125,17 +148,24 @@ class HFBackend:
         params: SamplingParams,
         seeds: Sequence[int],
         constraints: Sequence[TokenTrie | None] | None = None,
+        cache_keys: Sequence[object] | None = None,
     ) -> list[Generation]:
-        """Sample one continuation per prompt, in order; ``seeds[i]`` drives row i's randomness."""
+        """Sample one continuation per prompt, in order; ``seeds[i]`` drives row i's randomness,
+        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse."""
         if len(seeds) != len(prompts):
             raise ValueError("one seed per prompt is required")
         constraints = list(constraints) if constraints is not None else [None] * len(prompts)
+        keys = list(cache_keys) if cache_keys is not None else [None] * len(prompts)
         out: list[Generation | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for start in range(0, len(order), self.max_batch):
             chunk = order[start : start + self.max_batch]
             results = self._generate_batch(
-                [prompts[i] for i in chunk], params, [seeds[i] for i in chunk], [constraints[i] for i in chunk]
+                [prompts[i] for i in chunk],
+                params,
+                [seeds[i] for i in chunk],
+                [constraints[i] for i in chunk],
+                [keys[i] for i in chunk],
             )
             for i, result in zip(chunk, results):
                 out[i] = result
@@ -149,27 +179,32 @@ class HFBackend:
         params: SamplingParams,
         seeds: list[int],
         constraints: list[TokenTrie | None],
+        keys: list[object],
     ) -> list[Generation]:
         device = self.loaded.device
         n = len(prompts)
-        width = max(len(p) for p in prompts)
+        reused = [self._reusable(key, prompt) for key, prompt in zip(keys, prompts)]
+        cache, past_mask = self._assemble_past(reused, device)
+        suffixes = [list(p[len(r[0]) if r else 0 :]) for p, r in zip(prompts, reused)]
+        width = max(len(x) for x in suffixes)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((n, width), pad, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        suffix_mask = torch.zeros((n, width), dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            input_ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            suffix_mask[i, width - len(suffix) :] = 1
+        mask = torch.cat([past_mask, suffix_mask], dim=1).to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.reused_prompt_tokens += sum(len(r[0]) for r in reused if r)
 
-        rngs = [random.Random(s) for s in seeds]
+        rngs = [torch.Generator().manual_seed(s % 2**63) for s in seeds]
         nodes = list(constraints)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         active = list(range(n))
-        logits, cache = self._forward(input_ids, mask, positions, None)
+        logits, cache = self._forward(input_ids.to(device), mask, positions, cache)
         last_pos = positions[:, -1]
         for step in range(params.max_new_tokens):
             chosen, chosen_logp = self._sample(logits, params, [rngs[i] for i in active], [nodes[i] for i in active])
@@ -185,7 +220,11 @@ class HFBackend:
                 else:
                     still.append(row)
             self.stats.generated_tokens += len(active)
-            if not still or step == params.max_new_tokens - 1:
+            last_step = not still or step == params.max_new_tokens - 1
+            for row, i in enumerate(active):
+                if last_step or row not in still:
+                    self._keep_prefix(keys[i], list(prompts[i]) + tokens[i][:-1], cache, row, mask[row])
+            if last_step:
                 break
             keep = torch.tensor(still, device=device)
             if len(still) < len(active):
@@ -197,9 +236,70 @@ class HFBackend:
             logits, cache = self._forward(chosen.view(-1, 1), mask, last_pos.view(-1, 1), cache)
         return [Generation(tokens[i], logps[i], finish[i]) for i in range(n)]
 
+    def _reusable(self, key: object, prompt: Sequence[int]) -> tuple[list[int], _Prefix] | None:
+        """The longest kept prefix of ``prompt`` under ``key`` (leaving one token to encode), if worth it."""
+        if key is None or key not in self._prefixes:
+            return None
+        prefix = self._prefixes[key]
+        limit = min(len(prefix.token_ids), len(prompt) - 1)
+        common = 0
+        while common < limit and prefix.token_ids[common] == prompt[common]:
+            common += 1
+        if common < MIN_REUSE:
+            return None
+        self._prefixes.move_to_end(key)
+        return prefix.token_ids[:common], prefix
+
+    def _assemble_past(
+        self, reused: list[tuple[list[int], _Prefix] | None], device: torch.device
+    ) -> tuple[DynamicCache | None, torch.Tensor]:
+        """A left-padded batch cache of the reused prefixes, and its attention mask."""
+        n = len(reused)
+        longest = max((len(r[0]) for r in reused if r), default=0)
+        mask = torch.zeros((n, longest), dtype=torch.long)
+        if longest == 0:
+            return None, mask
+        sample = next(r[1].kv for r in reused if r)
+        cache = DynamicCache()
+        for layer, (k0, v0) in enumerate(sample):
+            keys = k0.new_zeros((n, k0.shape[0], longest, k0.shape[2]))
+            values = v0.new_zeros((n, v0.shape[0], longest, v0.shape[2]))
+            for i, r in enumerate(reused):
+                if r:
+                    length = len(r[0])
+                    k, v = r[1].kv[layer]
+                    keys[i, :, longest - length :] = k[:, :length]
+                    values[i, :, longest - length :] = v[:, :length]
+            cache.update(keys.to(device), values.to(device), layer)
+        for i, r in enumerate(reused):
+            if r:
+                mask[i, longest - len(r[0]) :] = 1
+        return cache, mask
+
+    def _keep_prefix(
+        self, key: object, token_ids: list[int], cache: DynamicCache, row: int, mask: torch.Tensor
+    ) -> None:
+        """Keep one row's keys and values (its unpadded positions) for the next turn under ``key``."""
+        if key is None or self.prefix_cache_tokens <= 0 or len(token_ids) > self.prefix_cache_tokens:
+            return
+        valid = mask.nonzero().squeeze(1)
+        kv = [
+            (layer.keys[row][:, valid].contiguous(), layer.values[row][:, valid].contiguous()) for layer in cache.layers
+        ]
+        self._prefixes.pop(key, None)
+        self._prefixes[key] = _Prefix(token_ids, kv)
+        total = sum(len(p.token_ids) for p in self._prefixes.values())
+        while total > self.prefix_cache_tokens:
+            _, evicted = self._prefixes.popitem(last=False)
+            total -= len(evicted.token_ids)
+
+    def forget(self, key: object) -> None:
+        """Drop the kept prefix of ``key`` (for example when its episode ends)."""
+        self._prefixes.pop(key, None)
+
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: object
-    ) -> tuple[torch.Tensor, object]:
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
+    ) -> tuple[torch.Tensor, DynamicCache]:
         """Logits of the last position (float32) and the updated KV cache."""
         kwargs = {self._cache_kwarg: cache} if cache is not None else {}
         output = self.model(
@@ -222,10 +322,15 @@ class HFBackend:
     def _sample(
         logits: torch.Tensor,
         params: SamplingParams,
-        rngs: list[random.Random],
+        rngs: list[torch.Generator],
         nodes: list[TokenTrie | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row; return the tokens and their full-vocabulary log-probs."""
+        """Draw one token per row; return the tokens and their full-vocabulary log-probs.
+
+        Sampling is Gumbel-max with per-row noise from the row's own generator, so a perturbation
+        of the logits far below the gap between the best candidates (padding, a reused prefix,
+        another batch) leaves the draw unchanged.
+        """
         temperature = params.temperature if params.temperature > 0 else 1.0
         logp_full = torch.log_softmax(logits / temperature, dim=-1)
         scores = logp_full.clone()
@@ -235,16 +340,14 @@ class HFBackend:
                 masked = torch.full_like(scores[row], float("-inf"))
                 masked[allowed] = scores[row, allowed]
                 scores[row] = masked
-        if params.temperature == 0:
-            chosen = scores.argmax(dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            if params.top_p < 1:
-                sorted_probs, index = probs.sort(dim=-1, descending=True)
-                outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-                sorted_probs[outside] = 0
-                probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs)
-            cdf = probs.cumsum(dim=-1)
-            u = torch.tensor([1.0 - rng.random() for rng in rngs], dtype=cdf.dtype, device=cdf.device)
-            chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp(max=cdf.shape[1] - 1)
+        if params.temperature > 0 and params.top_p < 1:
+            sorted_scores, index = scores.sort(dim=-1, descending=True)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            outside = probs.cumsum(-1) - probs > params.top_p
+            scores = scores.scatter(-1, index, sorted_scores.masked_fill(outside, float("-inf")))
+        if params.temperature > 0:
+            vocab = scores.shape[1]
+            uniform = torch.stack([torch.rand(vocab, generator=g) for g in rngs]).clamp_(1e-12, 1 - 1e-7)
+            scores = scores + (-torch.log(-torch.log(uniform))).to(scores.device)
+        chosen = scores.argmax(dim=-1)
         return chosen, logp_full.gather(1, chosen.unsqueeze(1)).squeeze(1)

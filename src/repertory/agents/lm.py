@@ -55,7 +55,8 @@ class LMAgent:
         constraints = [
             self.backend.trie(r.choices) if self.constrained and r.choices is not None else None for r in requests
         ]
-        generations = self.backend.generate(prompts, self.params, seeds, constraints)
+        keys = [(self.name, r.episode_id, r.seat) for r in requests]
+        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys)
         return [
             Response(
                 text=self.backend.decode(g.token_ids),

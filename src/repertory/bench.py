@@ -1,0 +1,143 @@
+"""Benchmarks, reported as ratios measured in one run: ours, a naive baseline, the hardware limit.
+
+``rollout``: the same self-play episodes played (a) by our engine — every pending turn of every
+episode in one batched generation call per tick — and (b) naively, one ``model.generate`` call
+per agent per turn; (c) the machine's float32 matmul throughput measured in the same process,
+converted to tokens/s for this model (2 x parameters FLOPs per token).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from repertory.agents import Request, Response
+from repertory.agents.lm import LMAgent
+from repertory.generation import HFBackend, SamplingParams
+from repertory.rollout import EpisodeSpec, run_episodes, schedule
+from repertory.types import derive
+
+
+def matmul_flops(seconds: float = 1.0, n: int = 1024) -> float:
+    """Sustained float32 matmul FLOP/s of this machine (square ``n`` x ``n`` products)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(2):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class NaiveAgent:
+    """The baseline: one ``model.generate`` call per request, sampling log-probs from its scores."""
+
+    def __init__(self, agent: LMAgent):
+        self.agent = agent
+        self.name, self.policy_id = agent.name, agent.policy_id
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+    @torch.no_grad()
+    def act(self, requests: list[Request]) -> list[Response]:
+        backend, params = self.agent.backend, self.agent.params
+        out = []
+        for request in requests:
+            prompt = self.agent.prompt_ids(request)
+            torch.manual_seed(derive(self.agent.seed, request.episode_id, request.seat, request.turn_index) % 2**63)
+            ids = torch.tensor([prompt], device=backend.loaded.device)
+            result = backend.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=sorted(backend.stop_ids),
+                pad_token_id=backend.tokenizer.pad_token_id,
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
+            tokens = result.sequences[0, len(prompt) :].tolist()
+            logps = [
+                torch.log_softmax(score[0].float(), dim=-1)[token].item() for score, token in zip(result.scores, tokens)
+            ]
+            self.prompt_tokens += len(prompt)
+            self.generated_tokens += len(tokens)
+            out.append(Response(backend.decode(tokens), "stop", prompt, tokens, logps))
+        return out
+
+
+@dataclass
+class RolloutBenchConfig:
+    """What the rollout benchmark plays: environments, episodes per environment, token budget."""
+
+    envs: tuple[str, ...] = ("trust-and-split", "ipd")
+    episodes: int = 4
+    max_new_tokens: int = 48
+    seed: int = 0
+    naive: bool = True
+
+
+def _specs(config: RolloutBenchConfig, agent: Any) -> list[EpisodeSpec]:
+    return [spec for env in config.envs for spec in schedule(env, [agent, agent], config.episodes, config.seed)]
+
+
+def rollout_benchmark(backend: HFBackend, config: RolloutBenchConfig) -> dict[str, Any]:
+    """Play the configured self-play episodes ours and naive; measure the matmul limit; return the numbers."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
+    agent = LMAgent(backend, "model", params, constrained=False, seed=config.seed)
+    limit_flops = matmul_flops()
+    limit_tok_s = limit_flops / (2 * backend.loaded.n_params)
+
+    before = (backend.stats.prompt_tokens, backend.stats.generated_tokens, backend.stats.calls)
+    start = time.perf_counter()
+    episodes = run_episodes(_specs(config, agent))
+    ours_s = time.perf_counter() - start
+    prompt = backend.stats.prompt_tokens - before[0]
+    generated = backend.stats.generated_tokens - before[1]
+    result: dict[str, Any] = {
+        "model": backend.loaded.name,
+        "params": backend.loaded.n_params,
+        "envs": list(config.envs),
+        "episodes": len(episodes),
+        "turns": sum(len(ep.turns) for ep in episodes),
+        "max_new_tokens": config.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "limit_gflops": limit_flops / 1e9,
+        "limit_tok_s": limit_tok_s,
+        "ours_seconds": ours_s,
+        "ours_generation_calls": backend.stats.calls - before[2],
+        "ours_tok_s": generated / ours_s,
+        "ours_prompt_tok_s": prompt / ours_s,
+        "ours_generated_tokens": generated,
+        "ours_prompt_tokens": prompt,
+        "cache_hit_rate": backend.stats.cache_hit_rate,
+    }
+    if config.naive:
+        naive = NaiveAgent(agent)
+        start = time.perf_counter()
+        run_episodes(_specs(config, naive))
+        naive_s = time.perf_counter() - start
+        result.update(
+            naive_seconds=naive_s,
+            naive_tok_s=naive.generated_tokens / naive_s,
+            naive_prompt_tok_s=naive.prompt_tokens / naive_s,
+            naive_generated_tokens=naive.generated_tokens,
+        )
+        result["ours_over_naive"] = result["ours_tok_s"] / result["naive_tok_s"]
+    result["ours_over_limit"] = result["ours_tok_s"] / limit_tok_s
+    result["ours_total_over_limit"] = (result["ours_tok_s"] + result["ours_prompt_tok_s"]) / limit_tok_s
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
