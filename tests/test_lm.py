@@ -220,3 +220,26 @@ def test_prefix_reuse_changes_nothing_but_the_work(tokenizer):
     assert without_stats.reused_prompt_tokens == 0
     assert with_stats.cache_hit_rate > 0.6
     assert with_stats.prompt_tokens == without_stats.prompt_tokens
+
+
+def test_generation_stops_once_the_environment_would_cut_the_text(backend):
+    from repertory.rollout import EpisodeSpec
+    from repertory.types import Kernel
+
+    kernel = Kernel(
+        "trust-and-split/train/900",
+        "trust-and-split",
+        "train",
+        900,
+        0,
+        {"names": ["Alice", "Bob"], "first_speaker": "Alice", "hands": [{"Alice": "rock", "Bob": "paper"}]},
+    )
+    agent = _agent(backend, constrained=True, max_new_tokens=400)
+    [ep] = run_episodes([EpisodeSpec("e", "trust-and-split", kernel, 0, [agent, agent])])
+    messages = [t for t in ep.turns if t.action.tag == "message"]
+    assert len(messages) == 2
+    for turn in messages:
+        assert turn.finish == "length" and len(turn.response_ids) < 400
+        assert len(turn.text) > 500 and len(turn.action.value) == 500
+        # Stopped within one check interval of crossing the limit.
+        assert len(backend.decode(turn.response_ids[:-8])) <= 500

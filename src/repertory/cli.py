@@ -249,6 +249,63 @@ def tournament(
             print(f"wrote {len(result.episodes)} episode(s) to {path}", file=sys.stderr)
 
 
+bench_app = typer.Typer(help="Benchmarks: ours against a naive baseline and the hardware limit, in one run.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    env: list[str] | None = typer.Option(None, "--env", "-e", help="Environments (default: trust-and-split, ipd)."),
+    episodes: int = typer.Option(4, "--episodes", "-n", help="Self-play episodes per environment."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Token budget per turn."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    seed: int = typer.Option(0, "--seed", "-s", help="Master seed."),
+    naive: bool = typer.Option(True, "--naive/--no-naive", help="Also run the naive per-turn generate() baseline."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Batched multi-role rollout against per-turn generate() calls and the matmul limit."""
+    from repertory.agents.lm import shared_backend
+    from repertory.bench import RolloutBenchConfig, rollout_benchmark
+
+    names = tuple(env or ("trust-and-split", "ipd"))
+    for name in names:
+        env_class(name)
+    _check_run_options("train", seed, episodes)
+    _lm_options(model, 1.0, 1.0, max_new_tokens, False, seed)
+    config = RolloutBenchConfig(names, episodes, max_new_tokens, seed, naive)
+    result = rollout_benchmark(shared_backend(model), config)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"rollout: {result['episodes']} self-play episodes of {', '.join(names)} ({result['model']})")
+    for column in ("", "generated tok/s", "prompt tok/s", "seconds", "vs naive", "vs limit"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        "ours (batched, prefix reuse)",
+        f"{result['ours_tok_s']:.1f}",
+        f"{result['ours_prompt_tok_s']:.1f}",
+        f"{result['ours_seconds']:.1f}",
+        f"{result['ours_over_naive']:.2f}x" if naive else "-",
+        f"{result['ours_over_limit']:.1%}",
+    )
+    if naive:
+        table.add_row(
+            "naive (generate() per turn)",
+            f"{result['naive_tok_s']:.1f}",
+            f"{result['naive_prompt_tok_s']:.1f}",
+            f"{result['naive_seconds']:.1f}",
+            "1.00x",
+            f"{result['naive_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit (float32 matmul)", f"{result['limit_tok_s']:.1f}", "", "", "", "100%")
+    out.print(table)
+    out.print(
+        f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"prompt+generated vs limit {result['ours_total_over_limit']:.1%}; "
+        f"prefix cache hit rate {result['cache_hit_rate']:.1%}; peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one line on stderr and exit status 2."""
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +96,7 @@ class _Prefix:
 
 
 MIN_REUSE = 8
+ENOUGH_EVERY = 8
 
 
 class HFBackend:
@@ -149,13 +150,16 @@ class HFBackend:
         seeds: Sequence[int],
         constraints: Sequence[TokenTrie | None] | None = None,
         cache_keys: Sequence[object] | None = None,
+        enough: Sequence[Callable[[str], bool] | None] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt, in order; ``seeds[i]`` drives row i's randomness,
-        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse."""
+        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse, and
+        ``enough[i](text)`` ends it early (finish "length") once more text would be wasted."""
         if len(seeds) != len(prompts):
             raise ValueError("one seed per prompt is required")
         constraints = list(constraints) if constraints is not None else [None] * len(prompts)
         keys = list(cache_keys) if cache_keys is not None else [None] * len(prompts)
+        enough = list(enough) if enough is not None else [None] * len(prompts)
         out: list[Generation | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for start in range(0, len(order), self.max_batch):
@@ -166,6 +170,7 @@ class HFBackend:
                 [seeds[i] for i in chunk],
                 [constraints[i] for i in chunk],
                 [keys[i] for i in chunk],
+                [enough[i] for i in chunk],
             )
             for i, result in zip(chunk, results):
                 out[i] = result
@@ -180,6 +185,7 @@ class HFBackend:
         seeds: list[int],
         constraints: list[TokenTrie | None],
         keys: list[object],
+        enough: list[Callable[[str], bool] | None],
     ) -> list[Generation]:
         device = self.loaded.device
         n = len(prompts)
@@ -217,6 +223,8 @@ class HFBackend:
                     nodes[i] = nodes[i].children.get(token)  # type: ignore[union-attr]
                 if token in self.stop_ids or (params.stop and self._hit_stop(tokens[i], params.stop)):
                     finish[i] = "stop"
+                elif enough[i] is not None and len(tokens[i]) % ENOUGH_EVERY == 0 and enough[i](self.decode(tokens[i])):
+                    finish[i] = "length"
                 else:
                     still.append(row)
             self.stats.generated_tokens += len(active)

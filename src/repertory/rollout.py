@@ -62,6 +62,7 @@ class _Running:
                 self.env.view(role),
                 turn_index=self.env.n_turns[role],
                 choices=self.env.action_choices(role),
+                max_chars=self.env.max_chars(role),
             )
             out.append((self.spec.agents[seat], request))
         return out

@@ -29,8 +29,9 @@ class Request:
     """One seat of one episode that must act now.
 
     ``messages`` is the seat's whole chat so far, ``view`` its knowledge as structured data (for
-    bots), ``turn_index`` counts the seat's own turns, and ``choices`` lists every complete valid
-    response when the action here is a finite set (None for free text).
+    bots), ``turn_index`` counts the seat's own turns, ``choices`` lists every complete valid
+    response when the action here is a finite set (None for free text), and ``max_chars`` is how
+    much visible text the environment reads (the rest is cut, so generating it is wasted).
     """
 
     episode_id: str
@@ -40,6 +41,7 @@ class Request:
     view: dict[str, Any]
     turn_index: int = 0
     choices: list[str] | None = None
+    max_chars: int | None = None
 
     @property
     def observation(self) -> list[Message]:

@@ -8,7 +8,10 @@ so several agents — a live policy and frozen snapshots, or adapters later — 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from repertory.agents import LMOptions, Request, Response
+from repertory.envs.parsing import clean
 from repertory.generation import HFBackend, SamplingParams
 from repertory.models import EMBEDDED, load_model
 from repertory.types import derive
@@ -56,7 +59,8 @@ class LMAgent:
             self.backend.trie(r.choices) if self.constrained and r.choices is not None else None for r in requests
         ]
         keys = [(self.name, r.episode_id, r.seat) for r in requests]
-        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys)
+        enough = [_visible_text_exceeds(r.max_chars) if r.max_chars is not None else None for r in requests]
+        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough)
         return [
             Response(
                 text=self.backend.decode(g.token_ids),
@@ -67,6 +71,12 @@ class LMAgent:
             )
             for prompt, g in zip(prompts, generations)
         ]
+
+
+def _visible_text_exceeds(limit: int) -> Callable[[str], bool]:
+    """True once the text the environment reads (thinking removed) is past ``limit``: the
+    environment cuts everything after it, so sampling more is wasted."""
+    return lambda text: len(clean(text, limit + 1)) > limit
 
 
 def make_lm_agent(spec: str, options: LMOptions) -> LMAgent:

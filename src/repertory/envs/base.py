@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from repertory.envs.parsing import DEFAULT_MAX_CHARS
 from repertory.types import Kernel, Message, Parsed, Result, RoleResult, StepResult
 
 Bot = Callable[[dict[str, Any]], str]
@@ -111,6 +112,10 @@ class Env(ABC):
     def game_round(self) -> int:
         """The current round (1-based) in round-based games; 0 elsewhere."""
         return 0
+
+    def max_chars(self, role: str) -> int:
+        """How much of ``role``'s visible text counts now; the rest is cut (environments.md 1.2)."""
+        return DEFAULT_MAX_CHARS
 
     def action_choices(self, role: str) -> list[str] | None:
         """Every complete valid response of ``role`` now, when that is a finite set (for constrained

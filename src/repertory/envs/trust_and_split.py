@@ -154,6 +154,9 @@ class TrustAndSplit(RoundGame):
         speaker = self.speaker(self.round)
         return [speaker] if not self.messages else [other(self.roles, speaker)]
 
+    def max_chars(self, role: str) -> int:
+        return MAX_MESSAGE_CHARS if self.phase == "message" else super().max_chars(role)
+
     def action_choices(self, role: str) -> list[str] | None:
         return [_keep(x) for x in range(COINS + 1)] if self.phase == "keep" else None
 
