@@ -243,3 +243,38 @@ def test_generation_stops_once_the_environment_would_cut_the_text(backend):
         assert len(turn.text) > 500 and len(turn.action.value) == 500
         # Stopped within one check interval of crossing the limit.
         assert len(backend.decode(turn.response_ids[:-8])) <= 500
+
+
+def test_bench_rollout_reports_ours_naive_and_limit(tokenizer, tmp_path, capsys):
+    from repertory.cli import main
+
+    tiny = tiny_model(tokenizer, seed=8)
+    tiny.model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    main(
+        ["bench", "rollout", "--model", str(tmp_path / "m"), "-e", "ipd", "-n", "2", "--max-new-tokens", "4", "--json"]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["episodes"] == 2 and result["turns"] == 40
+    assert result["ours_generation_calls"] == 10  # one call per tick: 10 rounds, 4 seats each
+    assert result["ours_generated_tokens"] == result["naive_generated_tokens"] == 40 * 4
+    for key in ("ours_tok_s", "naive_tok_s", "limit_tok_s", "peak_rss_mb", "ours_prompt_tok_s"):
+        assert result[key] > 0
+    assert result["ours_over_naive"] == pytest.approx(result["ours_tok_s"] / result["naive_tok_s"])
+    main(
+        [
+            "bench",
+            "rollout",
+            "--model",
+            str(tmp_path / "m"),
+            "-e",
+            "ipd",
+            "-n",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--no-naive",
+        ]
+    )
+    shown = capsys.readouterr().out
+    assert "limit" in shown and "GFLOP/s" in shown and "prefix cache hit rate" in shown

@@ -88,6 +88,7 @@ class RolloutBenchConfig:
     max_new_tokens: int = 48
     seed: int = 0
     naive: bool = True
+    matmul_seconds: float = 2.0
 
 
 def _specs(config: RolloutBenchConfig, agent: Any) -> list[EpisodeSpec]:
@@ -98,7 +99,7 @@ def rollout_benchmark(backend: HFBackend, config: RolloutBenchConfig) -> dict[st
     """Play the configured self-play episodes ours and naive; measure the matmul limit; return the numbers."""
     params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
     agent = LMAgent(backend, "model", params, constrained=False, seed=config.seed)
-    limit_flops = matmul_flops()
+    limit_flops = matmul_flops(config.matmul_seconds)
     limit_tok_s = limit_flops / (2 * backend.loaded.n_params)
 
     before = (backend.stats.prompt_tokens, backend.stats.generated_tokens, backend.stats.calls)

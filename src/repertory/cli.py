@@ -281,7 +281,7 @@ def bench_rollout(
     for column in ("", "generated tok/s", "prompt tok/s", "seconds", "vs naive", "vs limit"):
         table.add_column(column, justify="right")
     table.add_row(
-        "ours (batched, prefix reuse)",
+        "ours",
         f"{result['ours_tok_s']:.1f}",
         f"{result['ours_prompt_tok_s']:.1f}",
         f"{result['ours_seconds']:.1f}",
@@ -290,15 +290,19 @@ def bench_rollout(
     )
     if naive:
         table.add_row(
-            "naive (generate() per turn)",
+            "naive",
             f"{result['naive_tok_s']:.1f}",
             f"{result['naive_prompt_tok_s']:.1f}",
             f"{result['naive_seconds']:.1f}",
             "1.00x",
             f"{result['naive_tok_s'] / result['limit_tok_s']:.1%}",
         )
-    table.add_row("limit (float32 matmul)", f"{result['limit_tok_s']:.1f}", "", "", "", "100%")
+    table.add_row("limit", f"{result['limit_tok_s']:.1f}", "", "", "", "100%")
     out.print(table)
+    out.print(
+        "ours: one batched generation per tick with prefix reuse; naive: one generate() call per turn; "
+        "limit: the float32 matmul throughput as tokens/s (2 x parameters FLOPs per token)"
+    )
     out.print(
         f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
         f"prompt+generated vs limit {result['ours_total_over_limit']:.1%}; "

@@ -229,8 +229,9 @@ class HFBackend:
                     still.append(row)
             self.stats.generated_tokens += len(active)
             last_step = not still or step == params.max_new_tokens - 1
+            continuing = set(still)
             for row, i in enumerate(active):
-                if last_step or row not in still:
+                if last_step or row not in continuing:
                     self._keep_prefix(keys[i], list(prompts[i]) + tokens[i][:-1], cache, row, mask[row])
             if last_step:
                 break
