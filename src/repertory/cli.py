@@ -305,7 +305,8 @@ def bench_rollout(
     )
     out.print(
         f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
-        f"prompt+generated vs limit {result['ours_total_over_limit']:.1%}; "
+        f"computed tokens (encoded + generated) {result['ours_computed_tok_s']:.1f}/s = "
+        f"{result['ours_computed_over_limit']:.1%} of the limit; "
         f"prefix cache hit rate {result['cache_hit_rate']:.1%}; peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
 
