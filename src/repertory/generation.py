@@ -302,10 +302,6 @@ class HFBackend:
             _, evicted = self._prefixes.popitem(last=False)
             total -= len(evicted.token_ids)
 
-    def forget(self, key: object) -> None:
-        """Drop the kept prefix of ``key`` (for example when its episode ends)."""
-        self._prefixes.pop(key, None)
-
     def _forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
     ) -> tuple[torch.Tensor, DynamicCache]:
