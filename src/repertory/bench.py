@@ -6,6 +6,11 @@ per agent per turn; (c) the machine's float32 matmul throughput measured in the 
 converted to tokens/s for this model (2 x parameters FLOPs per token). Besides generated tokens/s
 it reports computed tokens/s: prompt tokens actually encoded (not reused) plus generated tokens,
 the model's whole workload, which is what the limit bounds.
+
+``train``: one optimisation step (forward, backward, AdamW) of the learner over a batch of
+self-play trajectories shaped like the default recipe's (a growing chat, short answers), timed
+with the turns packed into one sequence per seat and unpacked (one sequence per turn). The limit
+is the same matmul throughput converted with the usual 6 x parameters FLOPs per trained token.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
 from repertory.generation import HFBackend, SamplingParams
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
-from repertory.types import derive
+from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, derive
 
 
 def matmul_flops(seconds: float = 1.0, n: int = 1024) -> float:
@@ -146,5 +151,97 @@ def rollout_benchmark(backend: HFBackend, config: RolloutBenchConfig) -> dict[st
         result["ours_over_naive"] = result["ours_tok_s"] / result["naive_tok_s"]
     result["ours_over_limit"] = result["ours_tok_s"] / limit_tok_s
     result["ours_computed_over_limit"] = result["ours_computed_tok_s"] / limit_tok_s
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+@dataclass
+class TrainBenchConfig:
+    """The synthetic batch: episodes x 2 seats x turns, each turn a new observation and a short answer."""
+
+    episodes: int = 8
+    turns: int = 10
+    system_tokens: int = 190
+    observation_tokens: int = 48
+    response_tokens: int = 8
+    lora: bool = True
+    seed: int = 0
+    matmul_seconds: float = 2.0
+
+
+def synthetic_episodes(config: TrainBenchConfig, vocab: int) -> list[Episode]:
+    """Two-seat episodes whose prompts grow append-only, with random token ids and rewards."""
+    rng = torch.Generator().manual_seed(config.seed)
+    kernel = Kernel("bench/train/000", "bench", "train", 0, 0, {})
+    episodes = []
+    for e in range(config.episodes):
+        turns = []
+        for seat in ("p0", "p1"):
+            history = torch.randint(0, vocab, (config.system_tokens,), generator=rng).tolist()
+            for k in range(config.turns):
+                history += torch.randint(0, vocab, (config.observation_tokens,), generator=rng).tolist()
+                response = torch.randint(0, vocab, (config.response_tokens,), generator=rng).tolist()
+                reward = float(torch.rand((), generator=rng))
+                turns.append(
+                    Turn(
+                        seat,
+                        k,
+                        k,
+                        k,
+                        [],
+                        "",
+                        prompt_ids=list(history),
+                        response_ids=response,
+                        logp_sample=[0.0] * len(response),
+                        reward=reward,
+                    )
+                )
+                history += response
+        seats = [Seat("p0", "A", "player", "live", "live", True), Seat("p1", "B", "player", "live", "live", True)]
+        roles = {"A": RoleResult(0, 0, config.turns, 0), "B": RoleResult(0, 0, config.turns, 0)}
+        episodes.append(Episode(f"bench/{e}", "bench", kernel, e, seats, turns, Result(roles, "done"), {}))
+    return episodes
+
+
+def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
+    """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
+    import copy
+
+    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+    from repertory.learner import Learner, collect
+
+    algo = AlgoConfig(estimator="grpo", mini_batches=1, micro_batch_tokens=4096, lr=1e-5)
+    limit_flops = matmul_flops(config.matmul_seconds)
+    n_params = loaded.n_params
+    limit_tok_s = limit_flops / (6 * n_params)
+    episodes = synthetic_episodes(config, loaded.model.config.vocab_size)
+    result: dict[str, Any] = {
+        "model": loaded.name,
+        "params": n_params,
+        "lora": config.lora,
+        "threads": torch.get_num_threads(),
+        "limit_gflops": limit_flops / 1e9,
+        "limit_tok_s": limit_tok_s,
+    }
+    for packing in (True, False):
+        learner = Learner(
+            copy.deepcopy(loaded), algo, LoraConfig(enabled=config.lora), CriticConfig(), needs_critic=False
+        )
+        batch = collect(episodes, packing=packing)
+        learner.score(batch)
+        advantages = {i: torch.randn(s.n_tokens) for i, s in enumerate(batch.samples) if s.trained}
+        start = time.perf_counter()
+        learner.update(batch, advantages, None, iteration=0)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(seq.input_ids) for seq in batch.sequences)
+        key = "packed" if packing else "unpacked"
+        result[f"{key}_seconds"] = seconds
+        result[f"{key}_tokens"] = tokens
+        result[f"{key}_tok_s"] = tokens / seconds
+        result["trained_tokens"] = batch.n_tokens
+    result["train_tok_s"] = result["packed_tok_s"]
+    result["train_over_limit"] = result["train_tok_s"] / limit_tok_s
+    result["packed_speedup"] = result["unpacked_seconds"] / result["packed_seconds"]
+    result["samples_per_s_packed"] = config.episodes * 2 * config.turns / result["packed_seconds"]
     result["peak_rss_mb"] = peak_rss_mb()
     return result

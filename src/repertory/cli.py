@@ -249,6 +249,146 @@ def tournament(
             print(f"wrote {len(result.episodes)} episode(s) to {path}", file=sys.stderr)
 
 
+def _train_progress(trainer, quiet: bool):
+    """A rich progress bar over iterations showing outcome, KL and time left; returns (callback, context)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=out,
+        disable=quiet,
+    )
+    task = progress.add_task("train", total=trainer.config.iterations, completed=trainer.iteration, status="rollout...")
+
+    def on_line(line: dict) -> None:
+        parts = [f"iteration {line['iteration']}", f"outcome {line['outcome']:.3f}"]
+        if "eval/outcome" in line:
+            parts.append(f"held-out {line['eval/outcome']:.3f}")
+        parts.append(f"KL {line.get('kl', 0.0):.4f}")
+        progress.update(task, advance=1, status=" | ".join(parts))
+        if not quiet:
+            progress.console.print("  " + " | ".join(parts), style="dim")
+
+    return on_line, progress
+
+
+@app.command()
+def train(
+    recipe: str | None = typer.Argument(
+        None, help="Recipe: a YAML file or a shipped recipe name (default: the default recipe)."
+    ),
+    overrides: list[str] | None = typer.Option(None, "--set", help="Override a config key: --set algo.lr=1e-4."),
+    resume: Path | None = typer.Option(None, "--resume", help="Continue this run from its newest complete checkpoint."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+) -> None:
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU)."""
+    from repertory.config import load_config
+    from repertory.train import resume_run, start_run
+
+    if resume is not None:
+        if recipe is not None:
+            raise RepertoryError("--resume continues a run with its own config; give no recipe (--set changes keys)")
+        trainer = resume_run(resume, overrides)
+        out.print(f"resuming {resume} after iteration {trainer.iteration} of {trainer.config.iterations}")
+    else:
+        config = load_config(recipe or "default", overrides)
+        trainer = start_run(config)
+        c = trainer.config
+        out.print(
+            f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {c.model.name}"
+            f"{' + LoRA' if c.model.lora.enabled else ''}: {c.iterations} iterations of "
+            f"{c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel} episodes -> {trainer.run_dir}"
+        )
+    on_line, progress = _train_progress(trainer, quiet)
+    with progress:
+        run_dir = trainer.fit(on_line)
+    out.print(f"run: {run_dir}")
+    out.print(f"report: {run_dir / 'report'} (learning curves); metrics: {run_dir / 'metrics.jsonl'}")
+    out.print(f"evaluate it: repertory eval {run_dir}")
+
+
+@app.command("eval")
+def eval_command(
+    target: str = typer.Argument(..., help="A run directory, a checkpoint directory, or 'base' (the untrained model)."),
+    env: str | None = typer.Option(None, "--env", "-e", help="Environment (default: the run's)."),
+    split: str = typer.Option("heldout", "--split", help="Kernel split: heldout or train."),
+    vs: str = typer.Option("self", "--vs", help="Opponent: self (self-play), base, a bot, or model:PATH."),
+    episodes: int = typer.Option(32, "--episodes", "-n", help="Episodes to play."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling."),
+    model: str = typer.Option("smollm2", "--model", "-m", help="Base model when TARGET is 'base'."),
+    constrained: bool | None = typer.Option(
+        None, "--constrained/--free", help="Constrained actions (default: as the run was trained)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Held-out evaluation: normalised outcome per role (mean +- standard error) and the environment's metrics."""
+    from repertory.agents.lm import LMAgent
+    from repertory.eval import evaluate
+    from repertory.generation import HFBackend, SamplingParams
+    from repertory.models import load_model
+    from repertory.train import load_policy, resolve_checkpoint
+
+    _check_run_options(split, seed, episodes)
+    if target == "base":
+        from repertory.config import TrainConfig
+
+        config = TrainConfig()
+        config.model.name = model
+        if env is None:
+            raise RepertoryError("--env is required when evaluating 'base'")
+        loaded = load_model(model)
+    else:
+        checkpoint, config = resolve_checkpoint(target)
+        loaded = load_policy(checkpoint, config)
+    env_name = env or config.rollout.env
+    cls = env_class(env_name)
+    rollout = config.rollout
+    params = SamplingParams(rollout.temperature, 1.0, rollout.max_new_tokens)
+    use_constraints = rollout.constrained if constrained is None else constrained
+    backend = HFBackend(loaded)
+    agent = LMAgent(backend, loaded.name, params, use_constraints, seed=seed, policy_id="live")
+    opponent = None
+    if vs == "base" and target != "base":
+        base = load_model(config.model.name)
+        opponent = LMAgent(HFBackend(base), "base", params, use_constraints, seed=seed + 1, policy_id="base")
+    elif vs == "base" or vs == "model":
+        opponent = LMAgent(backend, "base", params, use_constraints, seed=seed + 1, policy_id="base")
+    elif vs != "self":
+        options = LMOptions(
+            config.model.name, rollout.temperature, 1.0, rollout.max_new_tokens, use_constraints, seed + 1
+        )
+        opponent = make_agent(vs, cls, options)
+    result = evaluate(env_name, agent, episodes, seed, split, opponent)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"{loaded.name} on {env_name} ({split}, vs {result.opponent}, {result.episodes} episodes)")
+    for column in ("role", "outcome", "points", "games"):
+        table.add_column(column, justify="right" if column != "role" else "left")
+    for role, (mean, se) in result.outcome.items():
+        points, points_se = result.points[role]
+        games = sum(1 for ep in result.played for s in ep.seats if s.name == role and s.agent == agent.name)
+        table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(games))
+    table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
+    out.print(table)
+    out.print(f"invalid actions: {result.invalid_rate:.1%}")
+    for key, value in result.metrics.items():
+        out.print(f"{key}: {value:.3f}")
+
+
 bench_app = typer.Typer(help="Benchmarks: ours against a naive baseline and the hardware limit, in one run.")
 app.add_typer(bench_app, name="bench")
 
@@ -308,6 +448,47 @@ def bench_rollout(
         f"computed tokens (encoded + generated) {result['ours_computed_tok_s']:.1f}/s = "
         f"{result['ours_computed_over_limit']:.1%} of the limit; "
         f"prefix cache hit rate {result['cache_hit_rate']:.1%}; peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
+@bench_app.command("train")
+def bench_train(
+    episodes: int = typer.Option(8, "--episodes", "-n", help="Self-play episodes (2 seats each) in the batch."),
+    turns: int = typer.Option(10, "--turns", help="Turns per seat."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (the default recipe) or full fine-tuning."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """One optimisation step with packed and unpacked turns, against the float32 limit (6 x params x tokens)."""
+    from repertory.bench import TrainBenchConfig, train_benchmark
+    from repertory.models import load_model
+
+    if episodes < 1 or turns < 1:
+        raise RepertoryError("--episodes and --turns must be at least 1")
+    result = train_benchmark(load_model(model), TrainBenchConfig(episodes=episodes, turns=turns, lora=lora))
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(
+        title=f"train step: {episodes} episodes x 2 seats x {turns} turns ({result['model']}, "
+        f"{'LoRA' if lora else 'full fine-tuning'})"
+    )
+    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
+        table.add_column(column, justify="right")
+    for key in ("packed", "unpacked"):
+        table.add_row(
+            key,
+            str(result[f"{key}_tokens"]),
+            f"{result[f'{key}_seconds']:.2f}",
+            f"{result[f'{key}_tok_s']:.0f}",
+            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
+    out.print(table)
+    out.print(
+        f"packing makes the step {result['packed_speedup']:.2f}x faster on the same {result['trained_tokens']} "
+        f"trained tokens; matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
 
 

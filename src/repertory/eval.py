@@ -1,6 +1,8 @@
-"""Evaluation: cross-play tournaments among any set of agents of one environment.
+"""Evaluation: held-out scores of one agent, and cross-play tournaments among any set of agents.
 
-Every ordered pair (row agent in the first seat, column agent in the second) plays the same
+``evaluate`` plays one agent on held-out kernels, either in every seat (self-play) or against an
+opponent with the seats balanced, and reports its normalised outcome per role with standard
+errors. In cross-play every ordered pair (row agent in the first seat, column agent in the second) plays the same
 kernels with the same episode seeds, so differences between cells come from the agents alone.
 All pairs run through the rollout engine together: one batched call per agent per tick.
 """
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 
 from repertory.agents import Agent
 from repertory.envs import env_class
-from repertory.rollout import run_episodes, schedule
-from repertory.types import Episode
+from repertory.rollout import EpisodeSpec, run_episodes, schedule
+from repertory.types import Episode, RepertoryError
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -122,3 +124,85 @@ def crossplay(
     played = run_episodes(specs, on_episode=on_episode)
     cells = {pair: summarize(played[i * episodes : (i + 1) * episodes]) for i, pair in enumerate(pairs)}
     return CrossPlay(env, list(agents), cells, played)
+
+
+@dataclass
+class Evaluation:
+    """One agent's held-out scores: outcome and points per role it played, invalid rate, env metrics."""
+
+    env: str
+    agent: str
+    opponent: str
+    episodes: int
+    outcome: dict[str, tuple[float, float]]
+    points: dict[str, tuple[float, float]]
+    overall: tuple[float, float]
+    invalid_rate: float
+    metrics: dict[str, float]
+    played: list[Episode] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "env": self.env,
+            "agent": self.agent,
+            "opponent": self.opponent,
+            "episodes": self.episodes,
+            "outcome": {r: m for r, (m, _) in self.outcome.items()},
+            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
+            "points": {r: m for r, (m, _) in self.points.items()},
+            "points_se": {r: s for r, (_, s) in self.points.items()},
+            "mean_outcome": self.overall[0],
+            "mean_outcome_se": self.overall[1],
+            "invalid_rate": self.invalid_rate,
+            "metrics": self.metrics,
+        }
+
+
+def evaluate(
+    env: str,
+    agent: Agent,
+    episodes: int,
+    seed: int,
+    split: str = "heldout",
+    opponent: Agent | None = None,
+    iteration: int = 0,
+) -> Evaluation:
+    """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent`` taking each seat
+    in turn (episode i puts the agent in seat i mod seats). Scores count the agent's seats only."""
+    if episodes < 1:
+        raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
+    cls = env_class(env)
+    n_seats = len(cls.roles)
+    specs: list[EpisodeSpec] = []
+    for i, spec in enumerate(schedule(env, [agent] * n_seats, episodes, seed, split, iteration=iteration)):
+        spec.episode_id = f"{spec.episode_id}/eval-{agent.name}"
+        if opponent is not None:
+            spec.agents = [agent if s == i % n_seats else opponent for s in range(n_seats)]
+        specs.append(spec)
+    played = run_episodes(specs)
+    outcomes: dict[str, list[float]] = {}
+    points: dict[str, list[float]] = {}
+    invalid = turns = 0
+    for i, ep in enumerate(played):
+        for s, seat in enumerate(ep.seats):
+            if opponent is not None and s != i % n_seats:
+                continue
+            role = ep.result.roles[seat.name]
+            outcomes.setdefault(seat.name, []).append(role.outcome)
+            points.setdefault(seat.name, []).append(role.points)
+            invalid += role.n_invalid
+            turns += role.n_turns
+    metric_names = sorted({k for ep in played for k in ep.metrics})
+    metrics = {k: sum(ep.metrics[k] for ep in played if k in ep.metrics) / len(played) for k in metric_names}
+    return Evaluation(
+        env=env,
+        agent=agent.name,
+        opponent=opponent.name if opponent is not None else "self",
+        episodes=len(played),
+        outcome={r: mean_se(v) for r, v in outcomes.items()},
+        points={r: mean_se(v) for r, v in points.items()},
+        overall=mean_se([x for v in outcomes.values() for x in v]),
+        invalid_rate=invalid / turns if turns else 0.0,
+        metrics=metrics,
+        played=played,
+    )

@@ -302,6 +302,10 @@ class HFBackend:
             _, evicted = self._prefixes.popitem(last=False)
             total -= len(evicted.token_ids)
 
+    def clear_prefixes(self) -> None:
+        """Forget every kept prefix: required whenever the weights change (they would be stale)."""
+        self._prefixes.clear()
+
     def _forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
     ) -> tuple[torch.Tensor, DynamicCache]:

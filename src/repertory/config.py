@@ -1,0 +1,239 @@
+"""Training configuration: one documented pydantic model, YAML recipes and ``--set key=value`` overrides.
+
+A recipe is a YAML file holding any subset of :class:`TrainConfig`; what it leaves out keeps the
+default. Unknown keys and invalid values are rejected before any work starts, with the key path
+and the allowed values in one message. Recipes shipped with repertory live in
+``repertory/recipes`` and can be named without a path (``repertory train omar-ipd``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from repertory.types import RepertoryError
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (peft). With LoRA the reference policy is the base with adapters off."""
+
+    enabled: bool = Field(True, description="Train LoRA adapters; false = full fine-tuning.")
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on adapter inputs (0 keeps runs deterministic).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names of the linear layers that get adapters.",
+    )
+
+
+class ModelConfig(_Section):
+    """The policy model."""
+
+    name: str = Field("smollm2", description="'smollm2' (the embedded default) or a Hugging Face checkpoint path.")
+    device: str | None = Field(None, description="'cpu', 'cuda', 'cuda:1'...; default: cuda when available.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class RolloutConfig(_Section):
+    """How each iteration's episodes are played."""
+
+    env: str = Field("ipd", description="Environment name (see `repertory envs`).")
+    opponent: str = Field(
+        "self",
+        description="'self' (the live policy in every seat, all trained), 'base' (the frozen initial model), "
+        "a bot of the environment, or 'model:PATH'. With an opponent the live policy takes each seat in turn.",
+    )
+    kernels_per_iteration: int = Field(4, ge=1, description="Train kernels drawn per iteration.")
+    episodes_per_kernel: int = Field(2, ge=1, description="Episodes per kernel (the GRPO/RLOO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the learner).")
+    max_new_tokens: int = Field(400, ge=1, description="Token budget per turn.")
+    constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
+    max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
+
+
+class AlgoConfig(_Section):
+    """Advantage estimation and losses (algorithms.md sections 2-4)."""
+
+    estimator: str = Field("omar", description="Advantage estimator: omar, gae, grpo, rloo, reinforce, rae, ...")
+    gamma_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level discount.")
+    lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
+    gamma_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level discount.")
+    lambda_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level GAE lambda.")
+    gamma: float = Field(1.0, ge=0, le=1, description="MT-PPO (gae) discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="MT-PPO (gae) lambda.")
+    grpo_scale: Literal["group", "none"] = Field("group", description="GRPO: divide by the group std or not.")
+    ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
+    ema_update: Literal["per_trajectory", "per_batch"] = Field("per_trajectory", description="EMA update order.")
+    turn_discount: float = Field(1.0, ge=0, le=1, description="Per-turn discount of critic-free advantages.")
+    whiten: bool | None = Field(None, description="Whiten advantages over the batch; default: the estimator's.")
+    policy_loss: Literal["ppo", "reinforce"] = Field("ppo", description="PPO clip, or plain REINFORCE.")
+    eps_low: float = Field(0.2, gt=0, description="PPO lower clip.")
+    eps_high: float = Field(0.2, gt=0, description="PPO upper clip.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (off when null).")
+    eps_v: float = Field(0.2, gt=0, description="Value clip.")
+    kl_mode: Literal["loss", "reward"] = Field("loss", description="KL to the reference as a loss or a reward penalty.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    beta_kl: float = Field(0.001, ge=0, description="KL coefficient.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    aggregation: Aggregation = Field("token-mean", description="How per-token losses are averaged.")
+    lr: float = Field(1e-5, gt=0, description="Policy learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch (the batch is split by sequence).")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per forward pass (gradient accumulation).")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
+    mask_truncated: bool = Field(False, description="Give turns cut by the token budget no loss.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        from repertory.algos import ESTIMATORS
+
+        if name not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}")
+        return name
+
+
+class CriticConfig(_Section):
+    """The value model of critic-based estimators (omar, gae): a scalar head on a backbone."""
+
+    share_backbone: bool = Field(
+        True, description="Head on the policy's backbone (one forward pass) or on a separate copy with its own adapter."
+    )
+    lr: float = Field(1e-4, gt=0, description="Critic learning rate (head, and separate backbone).")
+    value_coef: float = Field(0.5, ge=0, description="Weight of the value loss when the backbone is shared.")
+
+
+class EvalConfig(_Section):
+    """Periodic held-out evaluation during training."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before training and at the end).")
+    episodes: int = Field(16, ge=0, description="Episodes per evaluation (0 turns evaluation off).")
+    split: Literal["train", "heldout"] = Field("heldout", description="Kernel split to evaluate on.")
+    opponent: str | None = Field(None, description="Line-up for evaluation; default: the rollout opponent.")
+
+
+class TrainConfig(_Section):
+    """Everything a training run needs. Every field has a default; a recipe overrides some."""
+
+    name: str | None = Field(None, description="Run name; default: <estimator>-<env>-<timestamp>.")
+    output_dir: str = Field("runs", description="Where run directories are created.")
+    seed: int = Field(0, ge=0, description="Master seed of kernels, sampling and mini-batch order.")
+    iterations: int = Field(8, ge=1, description="Rollout + update iterations.")
+    checkpoint_every: int = Field(1, ge=1, description="Write a checkpoint every N iterations (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+RECIPES = "recipes"
+
+
+def recipe_names() -> list[str]:
+    """The recipes shipped with repertory."""
+    shipped = resources.files("repertory").joinpath(RECIPES).iterdir()
+    return sorted(p.name[:-5] for p in shipped if p.name.endswith(".yaml"))
+
+
+def _recipe_text(recipe: str) -> tuple[str, str]:
+    path = Path(recipe)
+    if path.is_file():
+        return path.read_text(), str(path)
+    shipped = resources.files("repertory").joinpath(RECIPES, f"{recipe}.yaml")
+    if shipped.is_file():
+        return shipped.read_text(), f"recipe {recipe}"
+    raise RepertoryError(f"no recipe file {recipe!r}; shipped recipes: {', '.join(recipe_names())}")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RepertoryError(f"--set {item!r}: expected key=value, e.g. --set algo.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise RepertoryError(f"--set {item!r}: the value is not valid YAML ({err.problem})") from None
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RepertoryError(f"--set {'.'.join(path)}: {part} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key; allowed here: {', '.join(_allowed_keys(item['loc']))}")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{path}: {message} (got {item['input']!r})")
+    return f"invalid configuration in {source}:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = TrainConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            break
+        inner = [a for a in (field.annotation, *get_args(field.annotation)) if isinstance(a, type)]
+        nested = [a for a in inner if issubclass(a, BaseModel)]
+        if not nested:
+            break
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """A recipe (file path or shipped name; None = defaults) with ``key=value`` overrides, validated."""
+    data: dict[str, Any] = {}
+    source = "the defaults"
+    if recipe is not None:
+        text, source = _recipe_text(recipe)
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise RepertoryError(f"{source} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RepertoryError(f"{source} must be a mapping of config keys, not {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        _apply_override(data, path, value)
+    if overrides:
+        source += " with --set " + " ".join(overrides)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise RepertoryError(_describe(err, source)) from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The fully resolved configuration as YAML (what a run directory's config.yaml holds)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,446 @@
+"""The learner: policy (LoRA or full), frozen reference, critic, and the optimisation step.
+
+Training samples are turns of trainable seats, exactly as sampled: the stored prompt ids and
+response ids, never re-rendered. When a seat's next prompt begins with its previous prompt and
+response (the chat grows append-only), the seat's turns are packed into one sequence, so the
+shared history is encoded once instead of once per turn; a causal model gives every response
+token the same log-prob and value either way (tested). Losses are aggregated with per-token
+weights computed over the whole mini-batch, so gradient accumulation over micro-batches
+reproduces the unsplit gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from repertory import algos
+from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.models import LoadedModel
+from repertory.types import Episode, derive
+
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+@dataclass
+class Sample:
+    """One turn of one trainable seat. ``trained`` is its loss mask (all response tokens or none)."""
+
+    trajectory: int
+    turn: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sample: list[float]
+    trained: bool
+
+    @property
+    def n_tokens(self) -> int:
+        """Valid (loss-mask 1) tokens."""
+        return len(self.response_ids) if self.trained else 0
+
+
+@dataclass
+class TrajectoryRef:
+    """Where a trainable seat's samples came from."""
+
+    episode_index: int
+    seat_index: int
+    episode: Episode
+    seat_id: str
+    samples: list[int]
+
+
+@dataclass
+class PackedSequence:
+    """Token ids fed to the model once, and where each sample's response sits in them."""
+
+    input_ids: list[int]
+    spans: list[tuple[int, int]]  # (sample index, position of the sample's first response token)
+
+
+@dataclass
+class Batch:
+    """A rollout batch as the learner sees it; the score fields are filled by :meth:`Learner.score`."""
+
+    trajectories: list[TrajectoryRef]
+    samples: list[Sample]
+    sequences: list[PackedSequence]
+    logp_old: dict[int, torch.Tensor] = field(default_factory=dict)
+    logp_ref: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        """Valid tokens of the batch (N_tok)."""
+        return sum(s.n_tokens for s in self.samples)
+
+    def estimator_inputs(self) -> list[algos.TrajectoryInput]:
+        """One :class:`algos.TrajectoryInput` per trajectory (values when the batch was scored with a critic)."""
+        out = []
+        for ref in self.trajectories:
+            seat = ref.episode.seat(ref.seat_id)
+            samples = [self.samples[i] for i in ref.samples]
+            values = None
+            if self.values:
+                values = [self.values[i].tolist() if s.trained else [] for i, s in zip(ref.samples, samples)]
+            out.append(
+                algos.TrajectoryInput(
+                    env=ref.episode.env,
+                    kernel_id=ref.episode.kernel_id,
+                    iteration=ref.episode.iteration,
+                    role=seat.role,
+                    episode_index=ref.episode_index,
+                    seat_index=ref.seat_index,
+                    rewards=[t.reward for t in ref.episode.trajectory(ref.seat_id)],
+                    lengths=[s.n_tokens for s in samples],
+                    values=values,
+                )
+            )
+        return out
+
+
+def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool = False) -> Batch:
+    """The training samples of every trainable seat, packed into sequences where prompts extend."""
+    trajectories: list[TrajectoryRef] = []
+    samples: list[Sample] = []
+    sequences: list[PackedSequence] = []
+    for e, episode in enumerate(episodes):
+        for s, seat in enumerate(episode.seats):
+            if not seat.trainable:
+                continue
+            ref = TrajectoryRef(e, s, episode, seat.seat_id, [])
+            t = len(trajectories)
+            for turn in episode.trajectory(seat.seat_id):
+                trained = bool(turn.response_ids) and not (mask_truncated and turn.finish == "length")
+                ref.samples.append(len(samples))
+                samples.append(
+                    Sample(t, turn.turn_index, turn.prompt_ids, turn.response_ids, turn.logp_sample, trained)
+                )
+            trajectories.append(ref)
+            sequences.extend(_pack([(i, samples[i]) for i in ref.samples if samples[i].trained], packing))
+    return Batch(trajectories, samples, sequences)
+
+
+def _pack(samples: list[tuple[int, Sample]], packing: bool) -> list[PackedSequence]:
+    out: list[PackedSequence] = []
+    for index, sample in samples:
+        full = list(sample.prompt_ids) + list(sample.response_ids)
+        current = out[-1] if out and packing else None
+        if current is not None and full[: len(current.input_ids)] == current.input_ids:
+            current.input_ids = full
+            current.spans.append((index, len(sample.prompt_ids)))
+        else:
+            out.append(PackedSequence(full, [(index, len(sample.prompt_ids))]))
+    return out
+
+
+@dataclass
+class _Scored:
+    """Per-sample tensors from one forward pass over a group of sequences."""
+
+    logp: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+    entropy: dict[int, torch.Tensor]
+
+
+class _ValueModel(nn.Module):
+    """A backbone with a scalar head (zero-initialised, so the first values are 0)."""
+
+    def __init__(self, backbone: nn.Module, hidden: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+
+def _with_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    config = PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
+    return get_peft_model(model, config)
+
+
+class Learner:
+    """Owns the trainable weights and turns scored batches and advantages into optimizer steps."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        algo: AlgoConfig,
+        lora: LoraConfig,
+        critic: CriticConfig,
+        needs_critic: bool,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ):
+        self.algo, self.lora, self.critic_config, self.seed = algo, lora, critic, seed
+        self.temperature = temperature
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        base = loaded.model
+        hidden = base.config.hidden_size
+        critic_base = copy.deepcopy(base) if needs_critic and not critic.share_backbone else None
+        self.reference: nn.Module | None = None
+        if lora.enabled:
+            self.peft = _with_lora(base, lora, derive(seed, "lora", "policy"))
+        else:
+            self.peft = None
+            self.reference = copy.deepcopy(base).requires_grad_(False)
+            base.requires_grad_(True)
+        self.model = base  # the causal LM generation runs on; LoRA layers are injected into it in place
+        self.policy_params = [p for p in base.parameters() if p.requires_grad]
+        self.value: _ValueModel | None = None
+        self.critic_peft = None
+        if needs_critic:
+            if critic_base is None:
+                self.value = _ValueModel(base.get_decoder(), hidden).to(self.device)
+            else:
+                if lora.enabled:
+                    self.critic_peft = _with_lora(critic_base, lora, derive(seed, "lora", "critic"))
+                else:
+                    critic_base.requires_grad_(True)
+                self.value = _ValueModel(critic_base.get_decoder(), hidden).to(self.device)
+        self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=algo.weight_decay)
+        warmup = algo.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+
+    @property
+    def shared_critic(self) -> bool:
+        return self.value is not None and self.critic_config.share_backbone
+
+    def _param_groups(self) -> list[dict]:
+        groups = [{"params": self.policy_params, "lr": self.algo.lr}]
+        if self.value is not None:
+            critic_params = list(self.value.head.parameters())
+            if not self.critic_config.share_backbone:
+                critic_params += [p for p in self.value.backbone.parameters() if p.requires_grad]
+            groups.append({"params": critic_params, "lr": self.critic_config.lr})
+        return groups
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # forward passes
+
+    def _micro_batches(self, sequences: list[PackedSequence]) -> list[list[PackedSequence]]:
+        """Consecutive groups whose padded size stays within the token budget (a longer sequence goes alone)."""
+        out: list[list[PackedSequence]] = []
+        longest = 0
+        for seq in sequences:
+            grown = max(longest, len(seq.input_ids))
+            if out and grown * (len(out[-1]) + 1) <= self.algo.micro_batch_tokens:
+                out[-1].append(seq)
+                longest = grown
+            else:
+                out.append([seq])
+                longest = len(seq.input_ids)
+        return out
+
+    def _forward(
+        self,
+        sequences: list[PackedSequence],
+        samples: list[Sample],
+        policy: bool = True,
+        values: bool = False,
+        entropy: bool = False,
+        reference: bool = False,
+    ) -> _Scored:
+        """Log-probs (policy or reference), values and entropies of every span's response tokens."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        width = max(len(s.input_ids) for s in sequences)
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        rows, cols, targets, owners = [], [], [], []
+        for b, seq in enumerate(sequences):
+            ids[b, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
+            mask[b, : len(seq.input_ids)] = 1
+            for index, start in seq.spans:
+                n = len(samples[index].response_ids)
+                rows += [b] * n
+                cols += range(start - 1, start - 1 + n)
+                targets += seq.input_ids[start : start + n]
+                owners.append((index, n))
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        row_t, col_t = torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+        logp: dict[int, torch.Tensor] = {}
+        ents: dict[int, torch.Tensor] = {}
+        vals: dict[int, torch.Tensor] = {}
+        hidden = None
+        if policy or reference:
+            model = self.reference if reference and self.reference is not None else self.model
+            if reference and self.peft is not None:
+                with self.peft.disable_adapter():
+                    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            else:
+                hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            picked = hidden[row_t, col_t]
+            logits = model.get_output_embeddings()(picked).float() / self.temperature
+            all_logp = torch.log_softmax(logits, dim=-1)
+            token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
+            logp = _split(token_logp, owners)
+            if entropy:
+                with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
+                    ents = _split(algos.entropy_from_logits(logits), owners)
+        if values and self.value is not None:
+            if self.shared_critic and hidden is not None and not reference:
+                value_hidden = hidden[row_t, col_t]
+            else:
+                value_hidden = self.value.backbone(input_ids=ids, attention_mask=mask).last_hidden_state[row_t, col_t]
+            vals = _split(self.value.head(value_hidden.float()).squeeze(-1), owners)
+        return _Scored(logp, vals, ents)
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> None:
+        """Fill ``logp_old``, ``logp_ref`` and (with a critic) ``values`` for every trained sample."""
+        for micro in self._micro_batches(batch.sequences):
+            scored = self._forward(micro, batch.samples, values=True)
+            batch.logp_old.update({i: t.detach() for i, t in scored.logp.items()})
+            batch.values.update({i: t.detach() for i, t in scored.values.items()})
+            ref = self._forward(micro, batch.samples, reference=True)
+            batch.logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
+
+    # the optimisation step
+
+    def update(
+        self,
+        batch: Batch,
+        advantages: dict[int, torch.Tensor],
+        returns: dict[int, torch.Tensor] | None,
+        iteration: int,
+    ) -> dict[str, float]:
+        """PPO (or REINFORCE) epochs over the batch; returns the loss and diagnostic means."""
+        algo = self.algo
+        totals: dict[str, float] = {}
+        steps = 0
+        for epoch in range(algo.ppo_epochs):
+            order = list(range(len(batch.sequences)))
+            random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
+            n_mini = min(algo.mini_batches, len(order))
+            for m in range(n_mini):
+                mini = [batch.sequences[i] for i in order[m::n_mini]]
+                stats = self._step(mini, batch, advantages, returns)
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                steps += 1
+        return {key: value / steps for key, value in totals.items()} if steps else {}
+
+    def _step(
+        self,
+        mini: list[PackedSequence],
+        batch: Batch,
+        advantages: dict[int, torch.Tensor],
+        returns: dict[int, torch.Tensor] | None,
+    ) -> dict[str, float]:
+        algo = self.algo
+        order = [index for seq in mini for index, _ in seq.spans]
+        lengths = [batch.samples[i].n_tokens for i in order]
+        weights = algos.aggregation_weights(lengths, algo.aggregation).to(self.device)
+        offsets, total = {}, 0
+        for index, n in zip(order, lengths):
+            offsets[index] = (total, n)
+            total += n
+        sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "loss/value": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(mini):
+            scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True)
+            idx = [index for seq in micro for index, _ in seq.spans]
+            w = torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx])
+            logp = torch.cat([scored.logp[i] for i in idx])
+            old = torch.cat([batch.logp_old[i] for i in idx])
+            ref = torch.cat([batch.logp_ref[i] for i in idx])
+            adv = torch.cat([advantages[i] for i in idx]).to(self.device, logp.dtype)
+            ent = torch.cat([scored.entropy[i] for i in idx])
+            if algo.policy_loss == "ppo":
+                l_pg, clipped = algos.policy_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+            else:
+                l_pg, clipped = algos.reinforce_loss(logp, adv), torch.zeros_like(logp)
+            kl = algos.kl_penalty(logp, ref, algo.kl_estimator)
+            loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()
+            if algo.kl_mode == "loss":
+                loss = loss + algo.beta_kl * (w * kl).sum()
+            if self.value is not None and returns is not None:
+                v_new = torch.cat([scored.values[i] for i in idx])
+                v_old = torch.cat([batch.values[i] for i in idx])
+                g = torch.cat([returns[i] for i in idx]).to(self.device, v_new.dtype)
+                l_v = (w * algos.value_loss(v_new, v_old, g, algo.eps_v)).sum()
+                loss = loss + (self.critic_config.value_coef if self.shared_critic else 1.0) * l_v
+                sums["loss/value"] += float(l_v.detach())
+            loss.backward()
+            with torch.no_grad():
+                sums["loss/policy"] += float((w * l_pg).sum())
+                sums["kl"] += float((w * kl).sum())
+                sums["entropy"] += float((w * ent).sum())
+                sums["clip_frac"] += float((w * clipped).sum())
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), algo.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = float(norm)
+        return sums
+
+    # checkpoints
+
+    def save(self, directory: Path) -> None:
+        """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.peft is not None:
+            self.peft.save_pretrained(str(directory / "policy"))
+        else:
+            self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
+            self.tokenizer.save_pretrained(str(directory / "policy"))
+        if self.value is not None:
+            save_file(_contiguous(self.value.head.state_dict()), str(directory / "value_head.safetensors"))
+            if not self.shared_critic:
+                critic = self.critic_peft if self.critic_peft is not None else self.value.backbone
+                tensors = get_peft_model_state_dict(critic) if self.critic_peft is not None else critic.state_dict()
+                save_file(_contiguous(tensors), str(directory / "critic.safetensors"))
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+            directory / "optimizer.pt",
+        )
+
+    def load(self, directory: Path) -> None:
+        """Restore everything :meth:`save` wrote."""
+        policy = directory / "policy"
+        if self.peft is not None:
+            set_peft_model_state_dict(self.peft, load_file(str(policy / "adapter_model.safetensors")))
+        else:
+            self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
+        if self.value is not None:
+            self.value.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
+            if not self.shared_critic:
+                tensors = load_file(str(directory / "critic.safetensors"))
+                if self.critic_peft is not None:
+                    set_peft_model_state_dict(self.critic_peft, tensors)
+                else:
+                    self.value.backbone.load_state_dict(tensors)
+        state = torch.load(directory / "optimizer.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+    out, start = {}, 0
+    for index, n in owners:
+        out[index] = flat[start : start + n]
+        start += n
+    return out
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

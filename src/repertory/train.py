@@ -1,0 +1,441 @@
+"""The online trainer: rollout -> advantages -> optimisation epochs -> metrics, one iteration at a time.
+
+Each iteration draws train kernels, plays ``episodes_per_kernel`` episodes on each (the groups of
+critic-free estimators), with the live policy in every seat (self-play, all seats trained) or
+against an opponent (the live policy takes each seat in turn; only its seats are trained). The
+learner scores the batch (log-probs, reference log-probs, values), the registered estimator turns
+rewards into per-token advantages, and the learner runs PPO epochs.
+
+The run directory (design.md) holds the resolved config, the episodes of every iteration as
+Parquet, one metrics line per iteration, atomic checkpoints, and a report folder with learning
+curves. A checkpoint directory is written under a temporary name and renamed when complete, so a
+run killed at any moment resumes from the newest complete checkpoint and redoes at most the
+iteration in flight; because every random choice is derived from (seed, iteration, ...), the
+resumed run is identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from repertory import algos
+from repertory.agents import Agent, LMOptions, make_agent
+from repertory.agents.lm import LMAgent
+from repertory.config import TrainConfig, dump_config, load_config
+from repertory.envs import env_class, load_kernels
+from repertory.eval import evaluate, mean_se
+from repertory.generation import HFBackend, SamplingParams
+from repertory.learner import Batch, Learner, collect
+from repertory.models import LoadedModel, load_model
+from repertory.report import write_report
+from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.store import write_episodes
+from repertory.types import Episode, RepertoryError, derive
+
+CHECKPOINT = re.compile(r"^\d{6}$")
+COMPLETE = "COMPLETE"
+TIMING_PREFIXES = ("time/", "throughput/")
+
+
+class _AdaptersOff:
+    """The frozen base model as an agent: the live LM agent with the LoRA adapters switched off."""
+
+    def __init__(self, agent: LMAgent, peft: Any):
+        self.agent, self.peft = agent, peft
+        self.name, self.policy_id = agent.name, "base"
+
+    def act(self, requests):
+        with self.peft.disable_adapter():
+            return self.agent.act(requests)
+
+
+class Trainer:
+    """One training run in one run directory."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        cls = env_class(config.rollout.env)
+        self.env_roles = cls.roles
+        self.estimator = algos.get_estimator(config.algo.estimator)
+        loaded = loaded or load_model(config.model.name, config.model.device)
+        self.learner = Learner(
+            loaded,
+            config.algo,
+            config.model.lora,
+            config.critic,
+            needs_critic=self.estimator.needs_critic,
+            temperature=config.rollout.temperature,
+            seed=config.seed,
+        )
+        self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name)
+        self.backend = HFBackend(self.loaded)
+        params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
+        sampler_seed = derive(config.seed, "sampler")
+        self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
+        self.opponent = self._agent(config.rollout.opponent)
+        eval_spec = config.eval.opponent if config.eval.opponent is not None else config.rollout.opponent
+        self.eval_opponent = self._agent(eval_spec)
+        self.kernels = load_kernels(config.rollout.env, "train")
+        self.iteration = 0
+        self.estimator_state: dict[str, Any] = {}
+
+    def _agent(self, spec: str) -> Agent | None:
+        if spec == "self":
+            return None
+        if spec == "base":
+            if self.learner.peft is not None:
+                base = LMAgent(self.backend, "base", self.live.params, self.live.constrained, self.live.seed, "base")
+                return _AdaptersOff(base, self.learner.peft)
+            frozen = HFBackend(LoadedModel(self.learner.reference, self.loaded.tokenizer, self.loaded.name))
+            return LMAgent(frozen, "base", self.live.params, self.live.constrained, self.live.seed, "base")
+        options = LMOptions(
+            model=self.config.model.name,
+            temperature=self.config.rollout.temperature,
+            max_new_tokens=self.config.rollout.max_new_tokens,
+            constrained=self.config.rollout.constrained,
+            seed=derive(self.config.seed, "opponent"),
+            device=self.config.model.device,
+        )
+        if spec == "model":
+            raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
+        return make_agent(spec, env_class(self.config.rollout.env), options)
+
+    # rollout
+
+    def specs(self, iteration: int) -> list[EpisodeSpec]:
+        """The iteration's episodes: kernels drawn by (seed, iteration), groups of episodes per kernel."""
+        rollout = self.config.rollout
+        rng = random.Random(derive(self.config.seed, iteration, "kernels", rollout.env))
+        n, pool = rollout.kernels_per_iteration, len(self.kernels)
+        picks = [rng.sample(range(pool), min(n - start, pool)) for start in range(0, n, pool)]
+        kernels = [self.kernels[k] for chunk in picks for k in chunk]
+        n_seats = len(self.env_roles)
+        specs = []
+        for g, kernel in enumerate(kernels):
+            for _ in range(rollout.episodes_per_kernel):
+                i = len(specs)
+                if self.opponent is None:
+                    agents: list[Agent] = [self.live] * n_seats
+                    trainable = [True] * n_seats
+                else:
+                    live_seat = i % n_seats
+                    agents = [self.live if s == live_seat else self.opponent for s in range(n_seats)]
+                    trainable = [s == live_seat for s in range(n_seats)]
+                specs.append(
+                    EpisodeSpec(
+                        episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",
+                        env=rollout.env,
+                        kernel=kernel,
+                        episode_seed=derive(self.config.seed, iteration, i, "env"),
+                        agents=agents,
+                        group_id=f"{kernel.id}/{iteration}/{g}",
+                        iteration=iteration,
+                        trainable=trainable,
+                    )
+                )
+        return specs
+
+    # one iteration
+
+    def run_iteration(self, iteration: int) -> dict[str, Any]:
+        """Rollout, estimate, update; returns the iteration's metrics line."""
+        config, algo = self.config, self.config.algo
+        line: dict[str, Any] = {"iteration": iteration}
+        if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
+            line.update(self.evaluate(iteration))
+        start = time.perf_counter()
+        generated_before = self.backend.stats.generated_tokens
+        episodes = run_episodes(self.specs(iteration), config.rollout.max_concurrent)
+        rollout_s = time.perf_counter() - start
+        generated = self.backend.stats.generated_tokens - generated_before
+        write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
+        line.update(_rollout_metrics(episodes))
+
+        start = time.perf_counter()
+        batch = collect(episodes, algo.packing, algo.mask_truncated)
+        if not batch.sequences:
+            raise RepertoryError(
+                f"iteration {iteration}: no trainable tokens (no live seat produced a response); "
+                "check rollout.opponent and the environment"
+            )
+        self.learner.score(batch)
+        advantages, returns, estimate_metrics = self.advantages(batch)
+        update = self.learner.update(batch, advantages, returns, iteration)
+        train_s = time.perf_counter() - start
+        self.backend.clear_prefixes()
+
+        seq_tokens = sum(len(s.input_ids) for s in batch.sequences)
+        line.update(
+            {
+                "samples": sum(1 for s in batch.samples if s.trained),
+                "tokens/trained": batch.n_tokens,
+                "tokens/sequence": seq_tokens,
+                **update,
+                **estimate_metrics,
+                "time/rollout_s": rollout_s,
+                "time/train_s": train_s,
+                "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
+                "throughput/train_tok_s": seq_tokens * (1 + algo.ppo_epochs) / train_s if train_s else 0.0,
+            }
+        )
+        return line
+
+    def advantages(self, batch: Batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, dict]:
+        """Per-sample advantage (and critic target) tensors from the configured estimator."""
+        algo = self.config.algo
+        inputs = batch.estimator_inputs()
+        if algo.kl_mode == "reward" and algo.beta_kl > 0:
+            for traj, ref in zip(inputs, batch.trajectories):
+                for k, index in enumerate(ref.samples):
+                    if index in batch.logp_old:
+                        kl = algos.kl_penalty(batch.logp_old[index], batch.logp_ref[index], algo.kl_estimator)
+                        traj.rewards[k] -= algo.beta_kl * float(kl.sum())
+        params = algos.EstimatorParams(
+            gamma_turn=algo.gamma_turn,
+            lambda_turn=algo.lambda_turn,
+            gamma_token=algo.gamma_token,
+            lambda_token=algo.lambda_token,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            grpo_scale=algo.grpo_scale,
+            ema_alpha=algo.ema_alpha,
+            ema_update=algo.ema_update,
+            turn_discount=algo.turn_discount,
+        )
+        estimate = self.estimator.fn(inputs, params, self.estimator_state)
+        whiten = self.estimator.whiten if algo.whiten is None else algo.whiten
+        adv_lists = algos.whiten(estimate.advantages) if whiten else estimate.advantages
+        advantages: dict[int, torch.Tensor] = {}
+        returns: dict[int, torch.Tensor] | None = {} if estimate.returns is not None else None
+        for t, ref in enumerate(batch.trajectories):
+            for k, index in enumerate(ref.samples):
+                if batch.samples[index].trained:
+                    advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
+                    if returns is not None:
+                        returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)
+        flat = [a for tensor in advantages.values() for a in tensor.tolist()]
+        metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
+        metrics["advantage/mean"], _ = mean_se(flat) if flat else (0.0, 0.0)
+        if returns:
+            errors = [float(((batch.values[i] - returns[i]) ** 2).mean()) for i in returns if batch.samples[i].n_tokens]
+            metrics["value/mse"] = sum(errors) / len(errors)
+        return advantages, returns, metrics
+
+    def evaluate(self, iteration: int) -> dict[str, Any]:
+        """Held-out evaluation of the live policy (deterministic in seed and iteration)."""
+        start = time.perf_counter()
+        config = self.config
+        result = evaluate(
+            config.rollout.env,
+            self.live,
+            config.eval.episodes,
+            derive(config.seed, "eval"),
+            config.eval.split,
+            self.eval_opponent,
+        )
+        self.backend.clear_prefixes()
+        out: dict[str, Any] = {"eval/outcome": result.overall[0], "eval/outcome_se": result.overall[1]}
+        for role, (mean, se) in result.outcome.items():
+            out[f"eval/outcome/{role}"] = mean
+            out[f"eval/outcome_se/{role}"] = se
+        out["eval/invalid_rate"] = result.invalid_rate
+        out.update({f"eval/env/{k}": v for k, v in result.metrics.items()})
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    # checkpoints
+
+    def save_checkpoint(self, done: int) -> Path:
+        """Write checkpoint ``done`` (iterations completed) atomically; prune old ones."""
+        root = self.run_dir / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{done:06d}"
+        tmp = root / f".tmp-{done:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learner.save(tmp)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+        state = {"iterations_done": done, "estimator_state": self.estimator_state}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        (tmp / COMPLETE).write_text("")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(self.run_dir)[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.learner.load(path)
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.iteration = state["iterations_done"]
+        self.estimator_state = state["estimator_state"]
+
+    # the loop
+
+    def fit(self, on_line: Callable[[dict[str, Any]], None] | None = None) -> Path:
+        """Run the remaining iterations; returns the run directory."""
+        config = self.config
+        metrics_path = self.run_dir / "metrics.jsonl"
+        for iteration in range(self.iteration, config.iterations):
+            line = self.run_iteration(iteration)
+            done = iteration + 1
+            if done == config.iterations and config.eval.episodes:
+                final = self.evaluate(done)
+                line.update({f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")})
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            self.iteration = done
+            if done % config.checkpoint_every == 0 or done == config.iterations:
+                self.save_checkpoint(done)
+            if on_line is not None:
+                on_line(line)
+        write_report(self.run_dir)
+        return self.run_dir
+
+
+def _rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
+    outcomes: dict[str, list[float]] = {}
+    points: dict[str, list[float]] = {}
+    invalid = turns = 0
+    for ep in episodes:
+        for seat in ep.seats:
+            if not seat.trainable:
+                continue
+            role = ep.result.roles[seat.name]
+            outcomes.setdefault(seat.name, []).append(role.outcome)
+            points.setdefault(seat.name, []).append(role.points)
+            invalid += role.n_invalid
+            turns += role.n_turns
+    line: dict[str, float] = {"episodes": len(episodes)}
+    all_outcomes = [x for v in outcomes.values() for x in v]
+    line["outcome"] = sum(all_outcomes) / len(all_outcomes) if all_outcomes else 0.0
+    for name in sorted(outcomes):
+        line[f"outcome/{name}"] = sum(outcomes[name]) / len(outcomes[name])
+        line[f"points/{name}"] = sum(points[name]) / len(points[name])
+    line["invalid_rate"] = invalid / turns if turns else 0.0
+    for key in sorted({k for ep in episodes for k in ep.metrics}):
+        values = [ep.metrics[key] for ep in episodes if key in ep.metrics]
+        line[f"env/{key}"] = sum(values) / len(values)
+    return line
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories that were completely written, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if CHECKPOINT.match(p.name) and (p / COMPLETE).is_file())
+
+
+def new_run_dir(config: TrainConfig) -> Path:
+    """A fresh run directory under ``output_dir`` (the name, or <estimator>-<env>-<timestamp>)."""
+    root = Path(config.output_dir)
+    if config.name:
+        path = root / config.name
+        if path.exists():
+            raise RepertoryError(f"run directory {path} already exists; continue it with --resume {path} or rename")
+        return path
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = f"{config.algo.estimator}-{config.rollout.env}-{stamp}"
+    path, n = root / base, 2
+    while path.exists():
+        path, n = root / f"{base}-{n}", n + 1
+    return path
+
+
+def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
+    """Create the run directory, write the resolved config, build the trainer."""
+    run_dir = new_run_dir(config)
+    trainer_obj = Trainer(config, run_dir, loaded)
+    (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    return trainer_obj
+
+
+def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: LoadedModel | None = None) -> Trainer:
+    """Rebuild the trainer of ``run_dir`` from its config and newest complete checkpoint.
+
+    Work after that checkpoint (a metrics line, an episodes file of the iteration in flight) is
+    discarded so that the continued run equals an uninterrupted one.
+    """
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = load_config(str(config_path), overrides)
+    if overrides:
+        config_path.write_text(dump_config(config))
+    trainer_obj = Trainer(config, run_dir, loaded)
+    checkpoints = complete_checkpoints(run_dir)
+    for stale in (run_dir / "checkpoints").glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if checkpoints:
+        trainer_obj.load_checkpoint(checkpoints[-1])
+    done = trainer_obj.iteration
+    metrics_path = run_dir / "metrics.jsonl"
+    if metrics_path.is_file():
+        kept = [line for line in metrics_path.read_text().splitlines() if _iteration_of(line) < done]
+        tmp = metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics_path)
+    for part in (run_dir / "episodes").glob("iter-*.parquet"):
+        if int(part.stem.split("-")[1]) >= done:
+            part.unlink()
+    (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
+    return trainer_obj
+
+
+def _iteration_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["iteration"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig]:
+    """A run directory (its newest complete checkpoint) or a checkpoint directory, with the run's config."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        checkpoints = complete_checkpoints(path)
+        if not checkpoints:
+            raise RepertoryError(f"run {path} has no complete checkpoint yet")
+        return checkpoints[-1], load_config(str(path / "config.yaml"))
+    if (path / COMPLETE).is_file() and (path.parent.parent / "config.yaml").is_file():
+        return path, load_config(str(path.parent.parent / "config.yaml"))
+    raise RepertoryError(f"{path} is neither a run directory (config.yaml) nor a complete checkpoint (COMPLETE)")
+
+
+def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None) -> LoadedModel:
+    """The trained policy of a checkpoint as one plain model (LoRA adapters merged into the base)."""
+    policy = checkpoint / "policy"
+    if (policy / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        loaded = load_model(config.model.name, device or config.model.device)
+        merged = PeftModel.from_pretrained(loaded.model, str(policy)).merge_and_unload()
+        merged.eval()
+        return LoadedModel(merged, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+    loaded = load_model(str(policy), device or config.model.device)
+    return LoadedModel(loaded.model, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")

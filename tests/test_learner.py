@@ -1,0 +1,215 @@
+"""The learner on a tiny random model: masks (D1), packing, log-prob agreement, gradient accumulation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from repertory.agents.lm import LMAgent
+from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.generation import HFBackend, SamplingParams
+from repertory.learner import Learner, collect
+from repertory.models import load_tokenizer, tiny_model
+from repertory.rollout import run_episodes, schedule
+from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def episodes(tokenizer):
+    """Two self-play IPD episodes of a tiny model with free (unconstrained) answers of up to 12 tokens."""
+    backend = HFBackend(tiny_model(tokenizer, seed=3))
+    agent = LMAgent(backend, "live", SamplingParams(1.0, 1.0, 12), seed=1, policy_id="live")
+    specs = schedule("ipd", [agent, agent], 2, seed=0)
+    for spec in specs:
+        spec.trainable = [True, True]
+    return run_episodes(specs)
+
+
+def _learner(tokenizer, temperature=1.0, lora=True, critic=True, **algo) -> Learner:
+    settings = AlgoConfig(estimator="omar" if critic else "grpo", **algo)
+    loaded = tiny_model(tokenizer, seed=3)
+    return Learner(loaded, settings, LoraConfig(enabled=lora, r=4), CriticConfig(), critic, temperature, seed=0)
+
+
+def _d1_episode(p1_trainable: bool) -> Episode:
+    kernel = Kernel("x/train/000", "x", "train", 0, 0, {})
+    seats = [
+        Seat("p0", "seller", "seller", "live", "live", True),
+        Seat("p1", "buyer", "buyer", "snap", "snapshot@40" if not p1_trainable else "live", p1_trainable),
+    ]
+    turns = [
+        Turn("p0", 0, 0, 0, [], "", prompt_ids=list(range(6)), response_ids=[6, 7, 2], logp_sample=[0.0] * 3),
+        Turn("p1", 0, 1, 0, [], "", prompt_ids=list(range(9)), response_ids=[8, 9], logp_sample=[0.0] * 2),
+        Turn("p0", 1, 2, 0, [], "", prompt_ids=[0, 1, 2, 3, 4, 5, 6, 7, 2, 8, 9, 10, 11], response_ids=[12, 13]),
+    ]
+    roles = {"seller": RoleResult(0, 0, 2, 0), "buyer": RoleResult(0, 0, 1, 0)}
+    return Episode("e1", "x", kernel, 0, seats, turns, Result(roles, "done"), {})
+
+
+@pytest.mark.parametrize("p1_trainable, expected", [(False, 5), (True, 7)])
+def test_d1_loss_tokens_are_the_sampled_tokens_of_trainable_seats(p1_trainable, expected):
+    batch = collect([_d1_episode(p1_trainable)])
+    assert batch.n_tokens == expected
+    p0_turn1 = [s for s in batch.samples if s.prompt_ids[:1] == [0] and len(s.prompt_ids) == 13][0]
+    assert p0_turn1.n_tokens == 2  # p1's two tokens inside p0's prompt never count
+
+
+def test_pad_equal_to_eos_keeps_the_sampled_eos_as_a_loss_token(tokenizer, episodes):
+    learner = _learner(tokenizer, critic=False)
+    assert learner.tokenizer.pad_token_id is not None
+    batch = collect(episodes)
+    eos_samples = [s for s in batch.samples if s.response_ids and s.response_ids[-1] in (0, 1, 2)]
+    assert all(s.n_tokens == len(s.response_ids) for s in batch.samples)
+    learner.score(batch)
+    for s in eos_samples:
+        index = batch.samples.index(s)
+        assert batch.logp_old[index].shape[0] == len(s.response_ids)
+
+
+def test_truncated_turns_can_be_excluded():
+    episode = _d1_episode(False)
+    episode.turns[0].finish = "length"
+    assert collect([episode], mask_truncated=True).n_tokens == 2
+    assert collect([episode], mask_truncated=False).n_tokens == 5
+
+
+def test_turns_of_a_seat_pack_into_one_sequence(episodes):
+    packed, unpacked = collect(episodes, packing=True), collect(episodes, packing=False)
+    assert len(unpacked.sequences) == len(unpacked.samples) == 40
+    # a chain breaks only where re-rendering the chat did not reproduce the sampled tokens (e.g. a turn cut
+    # by the token budget has no end-of-turn token); every span still sits exactly where its sample was
+    assert len(packed.sequences) < len(unpacked.sequences) / 2
+    for seq in packed.sequences:
+        for index, start in seq.spans:
+            sample = packed.samples[index]
+            assert seq.input_ids[: start + len(sample.response_ids)] == sample.prompt_ids + sample.response_ids
+    packed_tokens = sum(len(s.input_ids) for s in packed.sequences)
+    unpacked_tokens = sum(len(s.input_ids) for s in unpacked.sequences)
+    assert unpacked_tokens > 2 * packed_tokens
+
+
+def test_learner_log_probs_match_the_sampler(tokenizer, episodes):
+    learner = _learner(tokenizer)
+    batch = collect(episodes)
+    learner.score(batch)
+    worst = max(
+        float((batch.logp_old[i] - torch.tensor(s.logp_sample)).abs().max())
+        for i, s in enumerate(batch.samples)
+        if s.trained
+    )
+    assert worst <= 1e-3
+    # the reference (adapters off) equals the policy before any update: LoRA starts as the identity
+    assert all(torch.allclose(batch.logp_old[i], batch.logp_ref[i], atol=1e-6) for i in batch.logp_old)
+
+
+def test_a_wrong_temperature_breaks_log_prob_agreement(tokenizer, episodes):
+    learner = _learner(tokenizer, temperature=0.7)
+    batch = collect(episodes)
+    learner.score(batch)
+    worst = max(
+        float((batch.logp_old[i] - torch.tensor(s.logp_sample)).abs().max())
+        for i, s in enumerate(batch.samples)
+        if s.trained
+    )
+    assert worst > 1e-2
+
+
+def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes):
+    results = {}
+    for packing in (True, False):
+        learner = _learner(tokenizer, mini_batches=1, lr=1e-2)
+        batch = collect(episodes, packing=packing)
+        learner.score(batch)
+        advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
+        returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
+        stats = learner.update(batch, advantages, returns, iteration=0)
+        weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
+        results[packing] = (batch, stats, weights)
+    (b1, s1, w1), (b2, s2, w2) = results[True], results[False]
+    for i in b1.logp_old:
+        assert torch.allclose(b1.logp_old[i], b2.logp_old[i], atol=1e-5)
+        assert torch.allclose(b1.values[i], b2.values[i], atol=1e-5)
+    assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
+    assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
+    assert torch.allclose(w1, w2, atol=1e-5)
+
+
+def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
+    grads = {}
+    for budget in (1, 1 << 20):
+        learner = _learner(tokenizer, mini_batches=1, micro_batch_tokens=budget, aggregation="seq-mean-token-mean")
+        batch = collect(episodes, packing=False)
+        learner.score(batch)
+        advantages = {i: torch.linspace(-1, 1, s.n_tokens) for i, s in enumerate(batch.samples)}
+        returns = {i: torch.full((s.n_tokens,), 0.3) for i, s in enumerate(batch.samples)}
+        captured = []
+        step = learner.optimizer.step
+
+        def capture(*args, _step=step, _captured=captured, _learner=learner, **kwargs):
+            _captured.append(torch.cat([p.grad.flatten() for p in _learner.trainable_parameters()]))
+            return _step(*args, **kwargs)
+
+        learner.optimizer.step = capture
+        learner.update(batch, advantages, returns, iteration=0)
+        assert len(learner._micro_batches(batch.sequences)) == (len(batch.sequences) if budget == 1 else 1)
+        grads[budget] = captured[0]
+    a, b = grads[1], grads[1 << 20]
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+    assert float(a.abs().sum()) > 0
+
+
+def test_first_minibatch_ratio_is_one_and_no_token_is_clipped(tokenizer, episodes):
+    learner = _learner(tokenizer, mini_batches=1, lr=1e-2)
+    batch = collect(episodes)
+    learner.score(batch)
+    advantages = {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}
+    stats = learner.update(batch, advantages, {i: torch.zeros(len(a)) for i, a in advantages.items()}, 0)
+    assert stats["clip_frac"] == 0.0
+    assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_full_fine_tuning_keeps_a_frozen_reference(tokenizer, episodes):
+    learner = _learner(tokenizer, lora=False, critic=False, mini_batches=1, lr=1e-2)
+    batch = collect(episodes)
+    learner.score(batch)
+    learner.update(batch, {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}, None, 0)
+    after = collect(episodes)
+    learner.score(after)
+    moved = max(float((after.logp_old[i] - batch.logp_old[i]).abs().max()) for i in batch.logp_old)
+    assert moved > 1e-3
+    assert all(torch.allclose(after.logp_ref[i], batch.logp_ref[i], atol=1e-6) for i in batch.logp_ref)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_checkpoint_round_trip_restores_weights_and_optimizer(tokenizer, episodes, tmp_path, share):
+    def make():
+        loaded = tiny_model(tokenizer, seed=3)
+        return Learner(
+            loaded, AlgoConfig(mini_batches=1, lr=1e-2), LoraConfig(r=4), CriticConfig(share_backbone=share), True
+        )
+
+    learner = make()
+    batch = collect(episodes)
+    learner.score(batch)
+    adv = {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}
+    learner.update(batch, adv, {i: torch.ones(len(v)) for i, v in adv.items()}, 0)
+    learner.save(tmp_path / "ckpt")
+    restored = make()
+    restored.load(tmp_path / "ckpt")
+    for a, b in zip(learner.trainable_parameters(), restored.trainable_parameters()):
+        assert torch.equal(a, b)
+    # one more identical step from both keeps them identical (optimizer moments were restored)
+    for each in (learner, restored):
+        again = collect(episodes)
+        each.score(again)
+        each.update(again, adv, {i: torch.ones(len(v)) for i, v in adv.items()}, 1)
+    for a, b in zip(learner.trainable_parameters(), restored.trainable_parameters()):
+        assert torch.equal(a, b)
+    assert copy.copy(share) == learner.shared_critic

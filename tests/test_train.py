@@ -1,0 +1,248 @@
+"""The trainer end to end on a tiny model: configs, run directory, resume, learning, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from repertory.cli import main
+from repertory.config import TrainConfig, load_config, recipe_names
+from repertory.models import load_tokenizer, tiny_model
+from repertory.store import read_episodes
+from repertory.train import TIMING_PREFIXES, complete_checkpoints, resume_run, start_run
+from repertory.types import RepertoryError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, tokenizer):
+    """A tiny random checkpoint on disk, for the command line."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    loaded = tiny_model(tokenizer, seed=11)
+    loaded.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _config(tmp_path, name, *extra):
+    return load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            f"name={name}",
+            "iterations=3",
+            "rollout.constrained=true",
+            "rollout.kernels_per_iteration=1",
+            "rollout.episodes_per_kernel=2",
+            "eval.episodes=2",
+            "algo.lr=1e-3",
+            "algo.mini_batches=2",
+            *extra,
+        ],
+    )
+
+
+# configuration
+
+
+def test_shipped_recipes_load_and_include_the_required_ones():
+    names = recipe_names()
+    for required in ("default", "omar-trust-and-split", "omar-ipd", "ppo-ipd-vs-cooperator"):
+        assert required in names
+    for name in names:
+        assert isinstance(load_config(name), TrainConfig)
+    default = load_config("default")
+    assert (default.algo.estimator, default.rollout.env, default.model.name) == ("omar", "ipd", "smollm2")
+    assert default.model.lora.enabled
+
+
+def test_set_overrides_nested_keys_with_yaml_values():
+    config = load_config("default", ["algo.lr=3e-4", "rollout.opponent=always-defect", "algo.dual_clip=3", "name=x"])
+    assert config.algo.lr == 3e-4
+    assert config.rollout.opponent == "always-defect"
+    assert config.algo.dual_clip == 3.0
+    assert config.name == "x"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algo.bogus=1", "algo.bogus: unknown key; allowed here: estimator, gamma_turn"),
+        ("rollout.envv=ipd", "rollout.envv: unknown key; allowed here: env, opponent"),
+        ("algo.estimator=ppo2", "algo.estimator: unknown estimator 'ppo2'; allowed: gae, grpo, omar"),
+        ("algo.aggregation=mean", "algo.aggregation: Input should be 'token-mean', 'seq-mean-token-mean'"),
+        ("iterations=0", "iterations: Input should be greater than or equal to 1"),
+        ("algo.lr=fast", "algo.lr: Input should be a valid number"),
+        ("lr", "expected key=value"),
+        ("iterations.x=1", "iterations is not a section"),
+    ],
+)
+def test_bad_keys_and_values_are_rejected_with_the_key_path(override, expected):
+    with pytest.raises(RepertoryError) as err:
+        load_config("default", [override])
+    assert expected in str(err.value)
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(RepertoryError, match="no recipe file"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [1, 2\n")
+    with pytest.raises(RepertoryError, match="not valid YAML"):
+        load_config(str(bad))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(RepertoryError, match="must be a mapping"):
+        load_config(str(listy))
+
+
+# the run directory, resume, learning
+
+
+def _comparable(lines):
+    return [{k: v for k, v in line.items() if not k.startswith(TIMING_PREFIXES)} for line in lines]
+
+
+def _lines(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(checkpoint):
+    return load_file(str(checkpoint / "policy" / "adapter_model.safetensors"))
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, tokenizer):
+    straight = start_run(_config(tmp_path, "straight"), tiny_model(tokenizer, seed=2))
+    run_dir = straight.fit()
+    assert (run_dir / "config.yaml").is_file()
+    assert load_config(str(run_dir / "config.yaml")) == straight.config
+    episodes = [ep for i in range(3) for ep in read_episodes(run_dir / "episodes" / f"iter-{i:06d}.parquet")]
+    assert len(episodes) == 6 and {ep.iteration for ep in episodes} == {0, 1, 2}
+    assert all(seat.trainable and seat.policy_id == "live" for ep in episodes for seat in ep.seats)
+    lines = _lines(run_dir)
+    assert [line["iteration"] for line in lines] == [0, 1, 2]
+    for key in ("outcome", "outcome/Alice", "outcome/Bob", "kl", "entropy", "loss/policy", "loss/value", "value/mse"):
+        assert key in lines[1], key
+    assert "eval/outcome" in lines[0] and "final/outcome" in lines[2]
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["000002", "000003"]  # keep_checkpoints = 2
+    assert {p.name for p in (run_dir / "report").iterdir()} >= {"outcome.png", "losses.png", "kl_entropy.png"}
+
+    # the same run, killed after iteration 2 with debris a crash could leave, then resumed
+    interrupted = start_run(_config(tmp_path, "interrupted"), tiny_model(tokenizer, seed=2))
+
+    def stop_after_two(line):
+        if line["iteration"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        interrupted.fit(stop_after_two)
+    broken = interrupted.run_dir
+    (broken / "checkpoints" / ".tmp-000003-999").mkdir()
+    (broken / "checkpoints" / ".tmp-000003-999" / "optimizer.pt").write_text("half")
+    with (broken / "metrics.jsonl").open("a") as f:
+        f.write('{"iteration": 2, "outc')
+    resumed = resume_run(broken, loaded=tiny_model(tokenizer, seed=2))
+    assert resumed.iteration == 2
+    resumed.fit()
+    assert _comparable(_lines(broken)) == _comparable(lines)
+    a, b = _adapter(complete_checkpoints(run_dir)[-1]), _adapter(complete_checkpoints(broken)[-1])
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert not list((broken / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_new_run_never_overwrites_an_existing_directory(tmp_path, tokenizer):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(RepertoryError, match="already exists"):
+        start_run(_config(tmp_path, "taken"), tiny_model(tokenizer))
+
+
+def _defection_rate(episodes):
+    moves = [t.action.value for ep in episodes for s in ep.seats if s.trainable for t in ep.trajectory(s.seat_id)]
+    return sum(m == "B" for m in moves) / len(moves)
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_to_defect_against_always_cooperate(tmp_path, tokenizer):
+    # Full fine-tuning: with frozen tied embeddings behind an RMSNorm, LoRA on a random 64-wide model cannot
+    # open a logit gap between A and B wider than about 1.8 nats (p(B) <= 0.86), whatever the estimator.
+    # Turn-level gamma 0: against a fixed cooperator each round's reward depends on that round's move only.
+    config = _config(
+        tmp_path,
+        "learn",
+        "iterations=10",
+        "rollout.opponent=always-cooperate",
+        "rollout.kernels_per_iteration=4",
+        "eval.episodes=16",
+        "algo.estimator=omar",
+        "algo.gamma_turn=0",
+        "algo.lr=3e-3",
+        "model.lora.enabled=false",
+    )
+    trainer = start_run(config, tiny_model(tokenizer, seed=0))
+    run_dir = trainer.fit()
+    first = read_episodes(run_dir / "episodes" / "iter-000000.parquet")
+    last = read_episodes(run_dir / "episodes" / "iter-000009.parquet")
+    assert _defection_rate(first) < 0.6
+    assert _defection_rate(last) > 0.9
+    lines = _lines(run_dir)
+    assert lines[-1]["final/outcome"] > lines[0]["eval/outcome"] + 0.1
+
+
+# command line
+
+
+def test_cli_train_then_eval(tmp_path, tiny_path, capsys):
+    main(
+        [
+            "train",
+            "--quiet",
+            "--set", f"model.name={tiny_path}",
+            "--set", f"output_dir={tmp_path}",
+            "--set", "name=cli",
+            "--set", "iterations=1",
+            "--set", "rollout.kernels_per_iteration=1",
+            "--set", "rollout.constrained=true",
+            "--set", "eval.episodes=0",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    run_dir = tmp_path / "cli"
+    assert f"run: {run_dir}" in printed and "report" in printed
+    main(["eval", str(run_dir), "--episodes", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["env"] == "ipd" and result["episodes"] == 2 and set(result["outcome"]) == {"Alice", "Bob"}
+    main(["eval", str(run_dir), "--episodes", "2", "--vs", "always-defect", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["opponent"] == "always-defect"
+    assert set(result["outcome"]) == {"Alice", "Bob"}  # seats balanced: one game in each
+    main(["eval", str(run_dir / "checkpoints" / "000001"), "--episodes", "2"])
+    assert "outcome" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--set", "algo.estimator=nope"], "unknown estimator 'nope'"),
+        (["train", "--set", "rollout.bogus=1"], "rollout.bogus: unknown key"),
+        (["train", "missing-recipe"], "no recipe file 'missing-recipe'"),
+        (["train", "default", "--resume", "runs/x"], "give no recipe"),
+        (["eval", "no/such/run"], "neither a run directory"),
+        (["eval", "base"], "--env is required"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
