@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/repertory tournament --episodes 20 --out runs/tournament/episodes
+	$(VENV)/bin/repertory train
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -95,15 +95,19 @@ def test_turns_of_a_seat_pack_into_one_sequence(episodes):
     assert unpacked_tokens > 2 * packed_tokens
 
 
-def test_learner_log_probs_match_the_sampler(tokenizer, episodes):
-    learner = _learner(tokenizer)
-    batch = collect(episodes)
-    learner.score(batch)
-    worst = max(
+def _worst_logp_gap(batch) -> float:
+    return max(
         float((batch.logp_old[i] - torch.tensor(s.logp_sample)).abs().max())
         for i, s in enumerate(batch.samples)
         if s.trained
     )
+
+
+def test_learner_log_probs_match_the_sampler(tokenizer, episodes):
+    learner = _learner(tokenizer)
+    batch = collect(episodes)
+    learner.score(batch)
+    worst = _worst_logp_gap(batch)
     assert worst <= 1e-3
     # the reference (adapters off) equals the policy before any update: LoRA starts as the identity
     assert all(torch.allclose(batch.logp_old[i], batch.logp_ref[i], atol=1e-6) for i in batch.logp_old)
@@ -113,11 +117,7 @@ def test_a_wrong_temperature_breaks_log_prob_agreement(tokenizer, episodes):
     learner = _learner(tokenizer, temperature=0.7)
     batch = collect(episodes)
     learner.score(batch)
-    worst = max(
-        float((batch.logp_old[i] - torch.tensor(s.logp_sample)).abs().max())
-        for i, s in enumerate(batch.samples)
-        if s.trained
-    )
+    worst = _worst_logp_gap(batch)
     assert worst > 1e-2
 
 
@@ -141,6 +141,7 @@ def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes)
     assert torch.allclose(w1, w2, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
     grads = {}
     for budget in (1, 1 << 20):
@@ -161,7 +162,8 @@ def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
         assert len(learner._micro_batches(batch.sequences)) == (len(batch.sequences) if budget == 1 else 1)
         grads[budget] = captured[0]
     a, b = grads[1], grads[1 << 20]
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+    # float32 sums in a different order: compare the whole gradient, relative to its norm
+    assert float((a - b).norm() / b.norm()) < 1e-5
     assert float(a.abs().sum()) > 0
 
 

@@ -89,6 +89,23 @@ def test_token_trie_restricts_to_the_choices(backend, tokenizer):
         assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
 
 
+def test_forced_tokens_share_a_forward_pass_with_the_sampled_one(backend, tokenizer):
+    # <choose>A</choose> and <choose>B</choose> differ in one token: the prompt, the forced "<choose>"
+    # prefix and the forced "</choose>" suffix need three forward passes per batch instead of eight.
+    trie = backend.trie(["<choose>A</choose>", "<choose>B</choose>"])
+    prompts = [tokenizer.encode(f"round {i} " * (i + 1)) for i in range(6)]
+    before = backend.stats.forward_passes
+    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(6)), constraints=[trie] * 6)
+    assert backend.stats.forward_passes - before == 3
+    assert {len(g.token_ids) for g in out} == {8}
+    for prompt, g in zip(prompts, out):
+        expected = teacher_forced(backend, prompt, g.token_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+    # a budget that ends inside the forced suffix cuts it exactly there
+    cut = backend.generate(prompts[:2], SamplingParams(max_new_tokens=5), seeds=[0, 1], constraints=[trie] * 2)
+    assert all(g.finish == "length" and g.token_ids == out[i].token_ids[:5] for i, g in enumerate(cut))
+
+
 def _agent(backend, constrained, max_new_tokens=24):
     return LMAgent(backend, "model", SamplingParams(max_new_tokens=max_new_tokens), constrained=constrained, seed=3)
 

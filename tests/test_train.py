@@ -79,6 +79,8 @@ def test_set_overrides_nested_keys_with_yaml_values():
         ("algo.aggregation=mean", "algo.aggregation: Input should be 'token-mean', 'seq-mean-token-mean'"),
         ("iterations=0", "iterations: Input should be greater than or equal to 1"),
         ("algo.lr=fast", "algo.lr: Input should be a valid number"),
+        ("rollout.env=chess", "rollout.env: unknown environment 'chess'; allowed: ipd"),
+        ("rollout.opponent=tit-for-two-tats", "rollout.opponent: unknown opponent 'tit-for-two-tats' for ipd; allowed"),
         ("lr", "expected key=value"),
         ("iterations.x=1", "iterations is not a section"),
     ],
@@ -227,6 +229,24 @@ def test_cli_train_then_eval(tmp_path, tiny_path, capsys):
     assert set(result["outcome"]) == {"Alice", "Bob"}  # seats balanced: one game in each
     main(["eval", str(run_dir / "checkpoints" / "000001"), "--episodes", "2"])
     assert "outcome" in capsys.readouterr().out
+    main(["eval", str(run_dir), "--episodes", "2", "--vs", f"model:{run_dir}", "--json"])
+    assert json.loads(capsys.readouterr().out)["opponent"] == f"model:{run_dir}"
+
+
+def test_training_against_a_frozen_checkpoint_trains_only_the_live_seat(tmp_path, tokenizer, tiny_path):
+    # the frozen policy is loaded from disk: its run must name its base model (a LoRA adapter needs it)
+    first = start_run(_config(tmp_path, "first", "iterations=1", "eval.episodes=0", f"model.name={tiny_path}"))
+    first_dir = first.fit()
+    second = start_run(
+        _config(tmp_path, "second", "iterations=1", "eval.episodes=0", f"rollout.opponent=model:{first_dir}"),
+        tiny_model(tokenizer, seed=2),
+    )
+    episodes = read_episodes(second.fit() / "episodes" / "iter-000000.parquet")
+    for i, ep in enumerate(episodes):
+        live, frozen = ep.seats[i % 2], ep.seats[1 - i % 2]
+        assert live.trainable and live.policy_id == "live"
+        assert not frozen.trainable and frozen.policy_id == "snapshot@1"
+        assert ep.trajectory(frozen.seat_id)[0].response_ids  # the frozen model really played
 
 
 @pytest.mark.parametrize(
@@ -246,3 +266,14 @@ def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_train_reports_packed_unpacked_and_limit(tiny_path, capsys):
+    main(["bench", "train", "--model", str(tiny_path), "--episodes", "2", "--turns", "3", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    for key in ("train_tok_s", "limit_tok_s", "packed_speedup", "packed_seconds", "unpacked_seconds"):
+        assert result[key] > 0, key
+    assert result["trained_tokens"] == 2 * 2 * 3 * 8
+    # 2 x 2 seats, each packed into one sequence of 190 + 3 x (48 + 8) tokens
+    assert result["packed_tokens"] == 4 * (190 + 3 * 56)
+    assert result["unpacked_tokens"] == 4 * sum(190 + k * 56 for k in range(1, 4))

@@ -325,7 +325,11 @@ def eval_command(
     target: str = typer.Argument(..., help="A run directory, a checkpoint directory, or 'base' (the untrained model)."),
     env: str | None = typer.Option(None, "--env", "-e", help="Environment (default: the run's)."),
     split: str = typer.Option("heldout", "--split", help="Kernel split: heldout or train."),
-    vs: str = typer.Option("self", "--vs", help="Opponent: self (self-play), base, a bot, or model:PATH."),
+    vs: str = typer.Option(
+        "self",
+        "--vs",
+        help="Opponent: self (self-play), base, a bot, or model:PATH (a checkpoint, a run or a HF model).",
+    ),
     episodes: int = typer.Option(32, "--episodes", "-n", help="Episodes to play."),
     seed: int = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling."),
     model: str = typer.Option("smollm2", "--model", "-m", help="Base model when TARGET is 'base'."),
@@ -339,7 +343,7 @@ def eval_command(
     from repertory.eval import evaluate
     from repertory.generation import HFBackend, SamplingParams
     from repertory.models import load_model
-    from repertory.train import load_policy, resolve_checkpoint
+    from repertory.train import frozen_policy_agent, is_run_or_checkpoint, load_policy, resolve_checkpoint
 
     _check_run_options(split, seed, episodes)
     if target == "base":
@@ -366,6 +370,8 @@ def eval_command(
         opponent = LMAgent(HFBackend(base), "base", params, use_constraints, seed=seed + 1, policy_id="base")
     elif vs == "base" or vs == "model":
         opponent = LMAgent(backend, "base", params, use_constraints, seed=seed + 1, policy_id="base")
+    elif vs.startswith("model:") and is_run_or_checkpoint(vs[6:]):
+        opponent = frozen_policy_agent(vs[6:], params, use_constraints, seed + 1)
     elif vs != "self":
         options = LMOptions(
             config.model.name, rollout.temperature, 1.0, rollout.max_new_tokens, use_constraints, seed + 1
@@ -453,8 +459,8 @@ def bench_rollout(
 
 @bench_app.command("train")
 def bench_train(
-    episodes: int = typer.Option(8, "--episodes", "-n", help="Self-play episodes (2 seats each) in the batch."),
-    turns: int = typer.Option(10, "--turns", help="Turns per seat."),
+    episodes: int = typer.Option(2, "--episodes", "-n", help="Self-play episodes (2 seats each) in the batch."),
+    turns: int = typer.Option(8, "--turns", help="Turns per seat."),
     model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
     lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (the default recipe) or full fine-tuning."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),

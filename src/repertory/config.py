@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from repertory.types import RepertoryError
 
@@ -61,6 +61,29 @@ class RolloutConfig(_Section):
     constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
     max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
 
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, env: str) -> str:
+        from repertory.envs import env_names
+
+        if env not in env_names():
+            raise ValueError(f"unknown environment {env!r}; allowed: {', '.join(env_names())}")
+        return env
+
+    @field_validator("opponent")
+    @classmethod
+    def _known_opponent(cls, opponent: str, info: ValidationInfo) -> str:
+        from repertory.envs import env_class
+
+        env = info.data.get("env")
+        if env is None or opponent in ("self", "base") or opponent.startswith(("model:", "script:")):
+            return opponent
+        bots = list(env_class(env).bots)
+        if opponent not in bots:
+            allowed = ", ".join(["self", "base", *bots, "model:PATH", "script:FILE"])
+            raise ValueError(f"unknown opponent {opponent!r} for {env}; allowed: {allowed}")
+        return opponent
+
 
 class AlgoConfig(_Section):
     """Advantage estimation and losses (algorithms.md sections 2-4)."""
@@ -92,7 +115,9 @@ class AlgoConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch (the batch is split by sequence).")
-    micro_batch_tokens: int = Field(4096, ge=1, description="Padded tokens per forward pass (gradient accumulation).")
+    micro_batch_tokens: int = Field(
+        2048, ge=1, description="Padded tokens per forward pass (gradient accumulation); bounds activation memory."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
     mask_truncated: bool = Field(False, description="Give turns cut by the token budget no loss.")
@@ -192,7 +217,8 @@ def _describe(err: ValidationError, source: str) -> str:
             lines.append(f"{path}: unknown key; allowed here: {', '.join(_allowed_keys(item['loc']))}")
         else:
             message = item["msg"].removeprefix("Value error, ")
-            lines.append(f"{path}: {message} (got {item['input']!r})")
+            got = "" if isinstance(item["input"], dict) else f" (got {item['input']!r})"
+            lines.append(f"{path}: {message}{got}")
     return f"invalid configuration in {source}:\n  " + "\n  ".join(lines)
 
 

@@ -59,11 +59,6 @@ def summarize(episodes: list[Episode]) -> PairResult:
     """Aggregate episodes that share one line-up."""
     first = episodes[0]
     names = [s.name for s in first.seats]
-    metric_names = sorted({k for ep in episodes for k in ep.metrics})
-    metrics = {}
-    for k in metric_names:
-        values = [ep.metrics[k] for ep in episodes if k in ep.metrics]
-        metrics[k] = sum(values) / len(values)
     invalid = {}
     for n in names:
         turns = sum(ep.result.roles[n].n_turns for ep in episodes)
@@ -74,7 +69,7 @@ def summarize(episodes: list[Episode]) -> PairResult:
         points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
         outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
         invalid_rate=invalid,
-        metrics=metrics,
+        metrics=mean_metrics(episodes),
     )
 
 
@@ -180,29 +175,54 @@ def evaluate(
             spec.agents = [agent if s == i % n_seats else opponent for s in range(n_seats)]
         specs.append(spec)
     played = run_episodes(specs)
-    outcomes: dict[str, list[float]] = {}
-    points: dict[str, list[float]] = {}
-    invalid = turns = 0
-    for i, ep in enumerate(played):
-        for s, seat in enumerate(ep.seats):
-            if opponent is not None and s != i % n_seats:
-                continue
-            role = ep.result.roles[seat.name]
-            outcomes.setdefault(seat.name, []).append(role.outcome)
-            points.setdefault(seat.name, []).append(role.points)
-            invalid += role.n_invalid
-            turns += role.n_turns
-    metric_names = sorted({k for ep in played for k in ep.metrics})
-    metrics = {k: sum(ep.metrics[k] for ep in played if k in ep.metrics) / len(played) for k in metric_names}
+    scores = seat_scores(played, lambda i, s: opponent is None or s == i % n_seats)
     return Evaluation(
         env=env,
         agent=agent.name,
         opponent=opponent.name if opponent is not None else "self",
         episodes=len(played),
-        outcome={r: mean_se(v) for r, v in outcomes.items()},
-        points={r: mean_se(v) for r, v in points.items()},
-        overall=mean_se([x for v in outcomes.values() for x in v]),
-        invalid_rate=invalid / turns if turns else 0.0,
-        metrics=metrics,
+        outcome={r: mean_se(v) for r, v in scores.outcomes.items()},
+        points={r: mean_se(v) for r, v in scores.points.items()},
+        overall=mean_se([x for v in scores.outcomes.values() for x in v]),
+        invalid_rate=scores.invalid_rate,
+        metrics=mean_metrics(played),
         played=played,
     )
+
+
+@dataclass
+class SeatScores:
+    """Outcomes and points per role (display name) over the selected seats, and their invalid actions."""
+
+    outcomes: dict[str, list[float]] = field(default_factory=dict)
+    points: dict[str, list[float]] = field(default_factory=dict)
+    invalid: int = 0
+    turns: int = 0
+
+    @property
+    def invalid_rate(self) -> float:
+        return self.invalid / self.turns if self.turns else 0.0
+
+
+def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool]) -> SeatScores:
+    """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
+    scores = SeatScores()
+    for i, ep in enumerate(episodes):
+        for s, seat in enumerate(ep.seats):
+            if not selected(i, s):
+                continue
+            role = ep.result.roles[seat.name]
+            scores.outcomes.setdefault(seat.name, []).append(role.outcome)
+            scores.points.setdefault(seat.name, []).append(role.points)
+            scores.invalid += role.n_invalid
+            scores.turns += role.n_turns
+    return scores
+
+
+def mean_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Each environment metric averaged over the episodes that report it."""
+    names = sorted({k for ep in episodes for k in ep.metrics})
+    return {
+        k: sum(ep.metrics[k] for ep in episodes if k in ep.metrics) / sum(k in ep.metrics for ep in episodes)
+        for k in names
+    }

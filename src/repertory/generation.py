@@ -210,11 +210,14 @@ class HFBackend:
         logps: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         active = list(range(n))
+        temperature = params.temperature if params.temperature > 0 else 1.0
         logits, cache = self._forward(input_ids.to(device), mask, positions, cache)
+        logits = logits[:, -1]
         last_pos = positions[:, -1]
-        for step in range(params.max_new_tokens):
+        while True:
             chosen, chosen_logp = self._sample(logits, params, [rngs[i] for i in active], [nodes[i] for i in active])
             still: list[int] = []
+            chunks: list[list[int]] = []
             for row, i in enumerate(active):
                 token = int(chosen[row])
                 tokens[i].append(token)
@@ -223,26 +226,49 @@ class HFBackend:
                     nodes[i] = nodes[i].children.get(token)  # type: ignore[union-attr]
                 if token in self.stop_ids or (params.stop and self._hit_stop(tokens[i], params.stop)):
                     finish[i] = "stop"
+                elif len(tokens[i]) >= params.max_new_tokens:
+                    finish[i] = "length"
                 elif enough[i] is not None and len(tokens[i]) % ENOUGH_EVERY == 0 and enough[i](self.decode(tokens[i])):
                     finish[i] = "length"
                 else:
                     still.append(row)
+                    forced = [] if params.stop else self._forced(nodes[i], params.max_new_tokens - len(tokens[i]))
+                    chunks.append([token, *forced])
             self.stats.generated_tokens += len(active)
-            last_step = not still or step == params.max_new_tokens - 1
             continuing = set(still)
             for row, i in enumerate(active):
-                if last_step or row not in continuing:
+                if row not in continuing:
                     self._keep_prefix(keys[i], list(prompts[i]) + tokens[i][:-1], cache, row, mask[row])
-            if last_step:
+            if not still:
                 break
             keep = torch.tensor(still, device=device)
             if len(still) < len(active):
                 cache.batch_select_indices(keep)
-                mask, last_pos, chosen = mask[keep], last_pos[keep], chosen[keep]
+                mask, last_pos = mask[keep], last_pos[keep]
             active = [active[row] for row in still]
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], dim=1)
-            last_pos = last_pos + 1
-            logits, cache = self._forward(chosen.view(-1, 1), mask, last_pos.view(-1, 1), cache)
+            # Forced tokens (a constraint with a single continuation) are fed in the same forward pass as
+            # the sampled token: one pass per real choice instead of one per token.
+            width = max(len(c) for c in chunks)
+            chunk_ids = torch.full((len(active), width), pad, dtype=torch.long)
+            chunk_mask = torch.zeros((len(active), width), dtype=mask.dtype)
+            for row, chunk in enumerate(chunks):
+                chunk_ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+                chunk_mask[row, : len(chunk)] = 1
+            mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
+            steps = torch.arange(1, width + 1, device=device).unsqueeze(0)
+            logits, cache = self._forward(chunk_ids.to(device), mask, last_pos.unsqueeze(1) + steps, cache, keep=width)
+            lengths = torch.tensor([len(c) for c in chunks], device=device)
+            last_pos = last_pos + lengths
+            next_logits = logits[torch.arange(len(active), device=device), lengths - 1]
+            for row, (i, chunk) in enumerate(zip(active, chunks)):
+                if len(chunk) > 1:
+                    forced_logp = torch.log_softmax(logits[row, : len(chunk) - 1] / temperature, dim=-1)
+                    for j, token in enumerate(chunk[1:]):
+                        tokens[i].append(token)
+                        logps[i].append(float(forced_logp[j, token]))
+                        nodes[i] = nodes[i].children.get(token)  # type: ignore[union-attr]
+                    self.stats.generated_tokens += len(chunk) - 1
+            logits = next_logits
         return [Generation(tokens[i], logps[i], finish[i]) for i in range(n)]
 
     def _reusable(self, key: object, prompt: Sequence[int]) -> tuple[list[int], _Prefix] | None:
@@ -306,22 +332,38 @@ class HFBackend:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
         self._prefixes.clear()
 
+    def _forced(self, node: TokenTrie | None, budget: int) -> list[int]:
+        """The tokens a constraint leaves no choice about after ``node`` (never a stop token, within budget)."""
+        out: list[int] = []
+        while node is not None and len(node.children) == 1 and len(out) < budget - 1:
+            token, child = next(iter(node.children.items()))
+            if token in self.stop_ids:
+                break
+            out.append(token)
+            node = child
+        return out
+
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+        keep: int = 1,
     ) -> tuple[torch.Tensor, DynamicCache]:
-        """Logits of the last position (float32) and the updated KV cache."""
+        """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache."""
         kwargs = {self._cache_kwarg: cache} if cache is not None else {}
         output = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **kwargs,
         )
         self.stats.forward_passes += 1
         new_cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
-        return output.logits[:, -1, :].float(), new_cache
+        return output.logits[:, -keep:, :].float(), new_cache
 
     def _hit_stop(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
         tail = self.decode(token_ids[-16:])

@@ -255,7 +255,6 @@ class Learner:
         self,
         sequences: list[PackedSequence],
         samples: list[Sample],
-        policy: bool = True,
         values: bool = False,
         entropy: bool = False,
         reference: bool = False,
@@ -280,25 +279,23 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         ents: dict[int, torch.Tensor] = {}
         vals: dict[int, torch.Tensor] = {}
-        hidden = None
-        if policy or reference:
-            model = self.reference if reference and self.reference is not None else self.model
-            if reference and self.peft is not None:
-                with self.peft.disable_adapter():
-                    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-            else:
+        model = self.reference if reference and self.reference is not None else self.model
+        if reference and self.peft is not None:
+            with self.peft.disable_adapter():
                 hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-            picked = hidden[row_t, col_t]
-            logits = model.get_output_embeddings()(picked).float() / self.temperature
-            all_logp = torch.log_softmax(logits, dim=-1)
-            token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
-            logp = _split(token_logp, owners)
-            if entropy:
-                with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
-                    ents = _split(algos.entropy_from_logits(logits), owners)
-        if values and self.value is not None:
-            if self.shared_critic and hidden is not None and not reference:
-                value_hidden = hidden[row_t, col_t]
+        else:
+            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        picked = hidden[row_t, col_t]
+        logits = model.get_output_embeddings()(picked).float() / self.temperature
+        all_logp = torch.log_softmax(logits, dim=-1)
+        token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
+        logp = _split(token_logp, owners)
+        if entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
+                ents = _split(algos.entropy_from_logits(logits), owners)
+        if values and self.value is not None and not reference:
+            if self.shared_critic:
+                value_hidden = picked
             else:
                 value_hidden = self.value.backbone(input_ids=ids, attention_mask=mask).last_hidden_state[row_t, col_t]
             vals = _split(self.value.head(value_hidden.float()).squeeze(-1), owners)
@@ -386,11 +383,14 @@ class Learner:
                 sums["kl"] += float((w * kl).sum())
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), algo.grad_clip)
+        # actor and critic are clipped separately, as separate optimisers would (algorithms.md 2.7)
+        norms = [torch.nn.utils.clip_grad_norm_(g["params"], algo.grad_clip) for g in self.optimizer.param_groups]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums["grad_norm"] = float(norm)
+        sums["grad_norm"] = float(norms[0])
+        if len(norms) > 1:
+            sums["critic_grad_norm"] = float(norms[1])
         return sums
 
     # checkpoints

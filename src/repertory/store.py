@@ -200,11 +200,18 @@ def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> Path:
         pq.write_table(table, tmp, compression="zstd")
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the permissions open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_episodes(path: str | Path) -> list[Episode]:

@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,10 @@ import torch
 from repertory import algos
 from repertory.agents import Agent, LMOptions, make_agent
 from repertory.agents.lm import LMAgent
+from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import evaluate, mean_se
+from repertory.eval import evaluate, mean_metrics, mean_se, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -45,7 +47,7 @@ from repertory.types import Episode, RepertoryError, derive
 
 CHECKPOINT = re.compile(r"^\d{6}$")
 COMPLETE = "COMPLETE"
-TIMING_PREFIXES = ("time/", "throughput/")
+TIMING_PREFIXES = ("time/", "throughput/", "memory/")
 
 
 class _AdaptersOff:
@@ -110,6 +112,8 @@ class Trainer:
         )
         if spec == "model":
             raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
+        if spec.startswith("model:") and is_run_or_checkpoint(spec[6:]):
+            return frozen_policy_agent(spec[6:], self.live.params, self.live.constrained, options.seed, options.device)
         return make_agent(spec, env_class(self.config.rollout.env), options)
 
     # rollout
@@ -188,6 +192,7 @@ class Trainer:
                 "time/train_s": train_s,
                 "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
                 "throughput/train_tok_s": seq_tokens * (1 + algo.ppo_epochs) / train_s if train_s else 0.0,
+                "memory/peak_rss_mb": peak_rss_mb(),
             }
         )
         return line
@@ -203,16 +208,7 @@ class Trainer:
                         kl = algos.kl_penalty(batch.logp_old[index], batch.logp_ref[index], algo.kl_estimator)
                         traj.rewards[k] -= algo.beta_kl * float(kl.sum())
         params = algos.EstimatorParams(
-            gamma_turn=algo.gamma_turn,
-            lambda_turn=algo.lambda_turn,
-            gamma_token=algo.gamma_token,
-            lambda_token=algo.lambda_token,
-            gamma=algo.gamma,
-            lam=algo.lam,
-            grpo_scale=algo.grpo_scale,
-            ema_alpha=algo.ema_alpha,
-            ema_update=algo.ema_update,
-            turn_discount=algo.turn_discount,
+            **{f.name: getattr(algo, f.name) for f in fields(algos.EstimatorParams) if hasattr(algo, f.name)}
         )
         estimate = self.estimator.fn(inputs, params, self.estimator_state)
         whiten = self.estimator.whiten if algo.whiten is None else algo.whiten
@@ -310,28 +306,15 @@ class Trainer:
 
 
 def _rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
-    outcomes: dict[str, list[float]] = {}
-    points: dict[str, list[float]] = {}
-    invalid = turns = 0
-    for ep in episodes:
-        for seat in ep.seats:
-            if not seat.trainable:
-                continue
-            role = ep.result.roles[seat.name]
-            outcomes.setdefault(seat.name, []).append(role.outcome)
-            points.setdefault(seat.name, []).append(role.points)
-            invalid += role.n_invalid
-            turns += role.n_turns
+    scores = seat_scores(episodes, lambda i, s: episodes[i].seats[s].trainable)
     line: dict[str, float] = {"episodes": len(episodes)}
-    all_outcomes = [x for v in outcomes.values() for x in v]
+    all_outcomes = [x for v in scores.outcomes.values() for x in v]
     line["outcome"] = sum(all_outcomes) / len(all_outcomes) if all_outcomes else 0.0
-    for name in sorted(outcomes):
-        line[f"outcome/{name}"] = sum(outcomes[name]) / len(outcomes[name])
-        line[f"points/{name}"] = sum(points[name]) / len(points[name])
-    line["invalid_rate"] = invalid / turns if turns else 0.0
-    for key in sorted({k for ep in episodes for k in ep.metrics}):
-        values = [ep.metrics[key] for ep in episodes if key in ep.metrics]
-        line[f"env/{key}"] = sum(values) / len(values)
+    for name in sorted(scores.outcomes):
+        line[f"outcome/{name}"] = sum(scores.outcomes[name]) / len(scores.outcomes[name])
+        line[f"points/{name}"] = sum(scores.points[name]) / len(scores.points[name])
+    line["invalid_rate"] = scores.invalid_rate
+    line.update({f"env/{k}": v for k, v in mean_metrics(episodes).items()})
     return line
 
 
@@ -439,3 +422,18 @@ def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None
         return LoadedModel(merged, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
     loaded = load_model(str(policy), device or config.model.device)
     return LoadedModel(loaded.model, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+
+
+def is_run_or_checkpoint(path: str | Path) -> bool:
+    """True for a run directory or one of its checkpoint directories."""
+    path = Path(path)
+    return (path / "config.yaml").is_file() or (path / COMPLETE).is_file()
+
+
+def frozen_policy_agent(
+    path: str | Path, params: SamplingParams, constrained: bool, seed: int, device: str | None = None
+) -> LMAgent:
+    """A trained policy (a run's newest checkpoint, or a checkpoint) as a frozen agent with its own weights."""
+    checkpoint, config = resolve_checkpoint(path)
+    loaded = load_policy(checkpoint, config, device)
+    return LMAgent(HFBackend(loaded), f"model:{path}", params, constrained, seed, f"snapshot@{int(checkpoint.name)}")
