@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from repertory.cli import main
 from repertory.config import TrainConfig, load_config, recipe_names
+from repertory.learner import collect
 from repertory.models import load_tokenizer, tiny_model
+from repertory.rollout import run_episodes
 from repertory.store import read_episodes
 from repertory.train import TIMING_PREFIXES, complete_checkpoints, resume_run, start_run
 from repertory.types import RepertoryError
@@ -277,3 +281,55 @@ def test_bench_train_reports_packed_unpacked_and_limit(tiny_path, capsys):
     # 2 x 2 seats, each packed into one sequence of 190 + 3 x (48 + 8) tokens
     assert result["packed_tokens"] == 4 * (190 + 3 * 56)
     assert result["unpacked_tokens"] == 4 * sum(190 + k * 56 for k in range(1, 4))
+
+
+def test_training_against_the_base_model_switches_adapters_off_for_its_seat(tmp_path, tokenizer):
+    trainer = start_run(
+        _config(tmp_path, "vs-base", "iterations=2", "eval.episodes=0", "rollout.opponent=base", "algo.lr=5e-2"),
+        tiny_model(tokenizer, seed=2),
+    )
+    run_dir = trainer.fit()
+    episodes = read_episodes(run_dir / "episodes" / "iter-000001.parquet")
+    batch = collect(episodes)
+    trainer.learner.score(batch)
+    for i, ep in enumerate(episodes):
+        base = ep.seats[1 - i % 2]
+        assert (base.policy_id, base.trainable) == ("base", False)
+    # after an update the live policy has moved, while the base seat still samples from the initial weights
+    base_turns = [t for ep in episodes for t in ep.turns if not ep.seat(t.seat_id).trainable]
+    assert all(t.response_ids for t in base_turns)
+    assert max(float((batch.logp_old[i] - batch.logp_ref[i]).abs().max()) for i in batch.logp_old) > 1e-3
+    reference = tiny_model(tokenizer, seed=2)
+    prompt, response = base_turns[0].prompt_ids, base_turns[0].response_ids
+    with torch.no_grad():
+        logits = reference.model(torch.tensor([prompt + response])).logits[0]
+    logp = torch.log_softmax(logits, dim=-1)
+    recomputed = [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(response)]
+    assert max(abs(a - b) for a, b in zip(recomputed, base_turns[0].logp_sample)) < 1e-4
+
+
+def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, tokenizer):
+    trainer = start_run(
+        _config(tmp_path, "kl-reward", "algo.estimator=grpo", "algo.kl_mode=reward", "algo.beta_kl=0.5"),
+        tiny_model(tokenizer, seed=2),
+    )
+    episodes = run_episodes(trainer.specs(0))
+    batch = collect(episodes)
+    trainer.learner.score(batch)
+    for i in batch.logp_ref:
+        batch.logp_ref[i] = batch.logp_old[i] - 0.1  # k3 = exp(-0.1) + 0.1 - 1 per token
+    captured = {}
+    estimator = trainer.estimator
+
+    def spy(inputs, params, state):
+        captured["rewards"] = [list(t.rewards) for t in inputs]
+        return estimator.fn(inputs, params, state)
+
+    trainer.estimator = type(estimator)(estimator.name, spy, estimator.needs_critic, estimator.whiten)
+    trainer.advantages(batch)
+    k3 = math.exp(-0.1) + 0.1 - 1
+    for traj, ref in zip(captured["rewards"], batch.trajectories):
+        raw = [t.reward for t in ref.episode.trajectory(ref.seat_id)]
+        for k, index in enumerate(ref.samples):
+            penalty = 0.5 * k3 * batch.samples[index].n_tokens
+            assert traj[k] == pytest.approx(raw[k] - penalty, abs=1e-6)
