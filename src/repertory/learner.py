@@ -186,7 +186,7 @@ class Learner:
         temperature: float = 1.0,
         seed: int = 0,
     ):
-        self.algo, self.lora, self.critic_config, self.seed = algo, lora, critic, seed
+        self.algo, self.critic_config, self.seed = algo, critic, seed
         self.temperature = temperature
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -233,6 +233,7 @@ class Learner:
         return groups
 
     def trainable_parameters(self) -> list[nn.Parameter]:
+        """Every parameter the optimizer updates (policy first, then the critic's)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # forward passes
