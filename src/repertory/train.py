@@ -36,7 +36,7 @@ from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import evaluate, mean_metrics, mean_se, seat_scores
+from repertory.eval import evaluate, mean_metrics, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -221,9 +221,8 @@ class Trainer:
                     advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
                     if returns is not None:
                         returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)
-        flat = [a for tensor in advantages.values() for a in tensor.tolist()]
         metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
-        metrics["advantage/mean"], _ = mean_se(flat) if flat else (0.0, 0.0)
+        metrics["advantage/mean"] = float(torch.cat(list(advantages.values())).mean()) if advantages else 0.0
         if returns:
             errors = [float(((batch.values[i] - returns[i]) ** 2).mean()) for i in returns if batch.samples[i].n_tokens]
             metrics["value/mse"] = sum(errors) / len(errors)
