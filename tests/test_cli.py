@@ -41,8 +41,21 @@ def test_acceptance_tit_for_tat_vs_always_defect(capsys):
 def test_envs_table_and_json(capsys):
     code, out, _ = run(capsys, "envs", "--json")
     rows = json.loads(out)
-    assert [r["name"] for r in rows] == ["ipd", "split-no-comm", "trust-and-split"]
-    assert all(r["roles"] == ["Alice", "Bob"] and r["description"] for r in rows)
+    assert [r["name"] for r in rows] == [
+        "ipd",
+        "split-no-comm",
+        "trust-and-split",
+        "craigslist",
+        "ultimatum",
+        "deal-or-no-deal",
+        "casino",
+        "job-interview",
+        "alliance",
+    ]
+    assert all(r["roles"] == ["Alice", "Bob"] and r["trained_seat"] is None for r in rows[:3])
+    assert [r["trained_seat"] for r in rows[3:]] == ["vendor", "proposer", "A", "Camper A", "recruiter", "University"]
+    assert all(r["default_partner"] == "bot" and "bot" in r["bots"] for r in rows[3:])
+    assert all(r["description"] for r in rows)
     code, out, _ = run(capsys, "envs")
     assert code == 0 and "trust-and-split" in out and "tit-for-tat" in out
 

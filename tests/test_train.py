@@ -333,3 +333,27 @@ def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, toke
         for k, index in enumerate(ref.samples):
             penalty = 0.5 * k3 * batch.samples[index].n_tokens
             assert traj[k] == pytest.approx(raw[k] - penalty, abs=1e-6)
+
+
+def test_eval_base_on_a_negotiation_faces_the_bot_from_the_trained_seat(tiny_path, capsys):
+    common = ["eval", "base", "--model", str(tiny_path), "--env", "craigslist", "--episodes", "2"]
+    main([*common, "--max-new-tokens", "6", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["opponent"] == "bot" and set(result["outcome"]) == {"vendor"}
+    assert result["gamma"] == 0.95 and 0.0 <= result["discounted_return"] <= result["mean_outcome"]
+    main([*common, "--max-new-tokens", "6", "--vs", "base", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["opponent"] == "base" and set(result["outcome"]) == {"vendor"}
+    assert "guard/resampled" in result["metrics"], "a model partner is watched by the partner guard"
+    with pytest.raises(SystemExit):
+        main([*common, "--max-new-tokens", "0"])
+    assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_training_on_a_negotiation_trains_the_first_seat_against_a_guarded_partner(tmp_path, tiny_path):
+    trainer = start_run(
+        _config(tmp_path, "nego", "rollout.env=ultimatum", "rollout.opponent=base", f"model.name={tiny_path}")
+    )
+    specs = trainer.specs(0)
+    assert all(s.trainable == [True, False] and s.guarded == [False, True] for s in specs)
+    assert all(s.agents[0] is trainer.live for s in specs)

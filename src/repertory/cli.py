@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from repertory.agents import Agent, LMOptions, agent_names, make_agent
+from repertory.agents import Agent, LMOptions, agent_names, is_model, make_agent
 from repertory.envs import env_class, env_names
 from repertory.eval import CrossPlay, crossplay, summarize
 from repertory.rollout import run_episodes, schedule
@@ -77,6 +77,8 @@ def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list i
                 "roles": list(c.roles),
                 "role_labels": list(c.role_labels),
                 "bots": list(c.bots),
+                "trained_seat": c.default_trained_role if c.fixed_seat else None,
+                "default_partner": c.default_partner,
                 "description": c.description,
             }
             for c in classes
@@ -171,11 +173,17 @@ def play(
     constrained: bool = typer.Option(
         False, "--constrained", help="Restrict `model` agents to valid actions where the action is a finite set."
     ),
+    guard: bool = typer.Option(
+        True,
+        "--guard/--no-guard",
+        help="In negotiations, hold `model` agents outside the trained seat to their private limits (partner guard).",
+    ),
 ) -> None:
     """Run episodes with models, bots, scripts or yourself at the terminal, and print transcripts."""
     cls = env_class(env)
     _check_run_options(split, seed, episodes)
-    example = list(cls.bots)[: len(cls.roles)]
+    bots = list(cls.bots)
+    example = [bots[i % len(bots)] for i in range(len(cls.roles))] if bots else ["model"] * len(cls.roles)
     specs = [s.strip() for s in agents.split(",")] if agents else example
     if len(specs) != len(cls.roles) or not all(specs):
         raise RepertoryError(
@@ -184,7 +192,11 @@ def play(
         )
     store = EpisodeStore(out_dir) if out_dir else None
     built = _agents_for(env, specs, _lm_options(model, temperature, top_p, max_new_tokens, constrained, seed))
-    played = run_episodes(schedule(env, [built[s] for s in specs], episodes, seed, split, kernel))
+    lineup = schedule(env, [built[s] for s in specs], episodes, seed, split, kernel)
+    trained = cls.roles.index(cls.default_trained_role)
+    for spec in lineup:
+        spec.guarded = [guard and cls.fixed_seat and i != trained and is_model(a) for i, a in enumerate(spec.agents)]
+    played = run_episodes(lineup)
     if as_json:
         for ep in played:
             print(json.dumps(ep.summary()))
@@ -325,14 +337,18 @@ def eval_command(
     target: str = typer.Argument(..., help="A run directory, a checkpoint directory, or 'base' (the untrained model)."),
     env: str | None = typer.Option(None, "--env", "-e", help="Environment (default: the run's)."),
     split: str = typer.Option("heldout", "--split", help="Kernel split: heldout or train."),
-    vs: str = typer.Option(
-        "self",
+    vs: str | None = typer.Option(
+        None,
         "--vs",
-        help="Opponent: self (self-play), base, a bot, or model:PATH (a checkpoint, a run or a HF model).",
+        help="Opponent: self (self-play), base, a bot, or model:PATH (a checkpoint, a run or a HF model). "
+        "Default: the game's partner (its scripted negotiator in negotiations), else self-play.",
     ),
     episodes: int = typer.Option(32, "--episodes", "-n", help="Episodes to play."),
     seed: int = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling."),
     model: str = typer.Option("smollm2", "--model", "-m", help="Base model when TARGET is 'base'."),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Token budget per turn (default: as the run was trained; 400 for 'base')."
+    ),
     constrained: bool | None = typer.Option(
         None, "--constrained/--free", help="Constrained actions (default: as the run was trained)."
     ),
@@ -346,6 +362,8 @@ def eval_command(
     from repertory.train import frozen_policy_agent, is_run_or_checkpoint, load_policy, resolve_checkpoint
 
     _check_run_options(split, seed, episodes)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if target == "base":
         from repertory.config import TrainConfig
 
@@ -359,8 +377,10 @@ def eval_command(
         loaded = load_policy(checkpoint, config)
     env_name = env or config.rollout.env
     cls = env_class(env_name)
+    vs = vs or cls.default_partner
     rollout = config.rollout
-    params = SamplingParams(rollout.temperature, 1.0, rollout.max_new_tokens)
+    budget = max_new_tokens or rollout.max_new_tokens
+    params = SamplingParams(rollout.temperature, 1.0, budget)
     use_constraints = rollout.constrained if constrained is None else constrained
     backend = HFBackend(loaded)
     agent = LMAgent(backend, loaded.name, params, use_constraints, seed=seed, policy_id="live")
@@ -373,9 +393,7 @@ def eval_command(
     elif vs.startswith("model:") and is_run_or_checkpoint(vs[6:]):
         opponent = frozen_policy_agent(vs[6:], params, use_constraints, seed + 1)
     elif vs != "self":
-        options = LMOptions(
-            config.model.name, rollout.temperature, 1.0, rollout.max_new_tokens, use_constraints, seed + 1
-        )
+        options = LMOptions(config.model.name, rollout.temperature, 1.0, budget, use_constraints, seed + 1)
         opponent = make_agent(vs, cls, options)
     result = evaluate(env_name, agent, episodes, seed, split, opponent)
     if as_json:
@@ -390,6 +408,10 @@ def eval_command(
         table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(games))
     table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
     out.print(table)
+    out.print(
+        f"expected discounted return (gamma {result.gamma} per own turn): "
+        f"{result.discounted[0]:.3f} ± {result.discounted[1]:.3f}"
+    )
     out.print(f"invalid actions: {result.invalid_rate:.1%}")
     for key, value in result.metrics.items():
         out.print(f"{key}: {value:.3f}")

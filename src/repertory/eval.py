@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from repertory.agents import Agent
-from repertory.envs import env_class
+from repertory.agents import Agent, is_model
+from repertory.envs import Env, env_class
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.types import Episode, RepertoryError
 
@@ -121,9 +121,14 @@ def crossplay(
     return CrossPlay(env, list(agents), cells, played)
 
 
+DISCOUNT = 0.95
+"""gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (environments.md 1.4)."""
+
+
 @dataclass
 class Evaluation:
-    """One agent's held-out scores: outcome and points per role it played, invalid rate, env metrics."""
+    """One agent's held-out scores: outcome and points per role it played, the expected discounted
+    return (mean of gamma^(n-1) * outcome, n the agent's turns), invalid rate, env metrics."""
 
     env: str
     agent: str
@@ -132,8 +137,10 @@ class Evaluation:
     outcome: dict[str, tuple[float, float]]
     points: dict[str, tuple[float, float]]
     overall: tuple[float, float]
+    discounted: tuple[float, float]
     invalid_rate: float
     metrics: dict[str, float]
+    gamma: float = DISCOUNT
     played: list[Episode] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, object]:
@@ -148,6 +155,9 @@ class Evaluation:
             "points_se": {r: s for r, (_, s) in self.points.items()},
             "mean_outcome": self.overall[0],
             "mean_outcome_se": self.overall[1],
+            "discounted_return": self.discounted[0],
+            "discounted_return_se": self.discounted[1],
+            "gamma": self.gamma,
             "invalid_rate": self.invalid_rate,
             "metrics": self.metrics,
         }
@@ -161,9 +171,14 @@ def evaluate(
     split: str = "heldout",
     opponent: Agent | None = None,
     iteration: int = 0,
+    gamma: float = DISCOUNT,
+    max_concurrent: int = 64,
 ) -> Evaluation:
-    """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent`` taking each seat
-    in turn (episode i puts the agent in seat i mod seats). Scores count the agent's seats only."""
+    """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
+    opponent, the agent sits in the game's trained seat where the game fixes one (negotiations),
+    else takes each seat in turn (episode i: seat i mod seats); an opponent that is a model is
+    watched by the partner guard. Scores count the agent's seats only. At most ``max_concurrent``
+    games run at once, so that every running seat's chat stays in the generation prefix cache."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
@@ -172,10 +187,12 @@ def evaluate(
     for i, spec in enumerate(schedule(env, [agent] * n_seats, episodes, seed, split, iteration=iteration)):
         spec.episode_id = f"{spec.episode_id}/eval-{agent.name}"
         if opponent is not None:
-            spec.agents = [agent if s == i % n_seats else opponent for s in range(n_seats)]
+            live = agent_seat(cls, i)
+            spec.agents = [agent if s == live else opponent for s in range(n_seats)]
+            spec.guarded = [s != live and is_model(opponent) for s in range(n_seats)]
         specs.append(spec)
-    played = run_episodes(specs)
-    scores = seat_scores(played, lambda i, s: opponent is None or s == i % n_seats)
+    played = run_episodes(specs, max_concurrent=max_concurrent)
+    scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
     return Evaluation(
         env=env,
         agent=agent.name,
@@ -184,6 +201,8 @@ def evaluate(
         outcome={r: mean_se(v) for r, v in scores.outcomes.items()},
         points={r: mean_se(v) for r, v in scores.points.items()},
         overall=mean_se([x for v in scores.outcomes.values() for x in v]),
+        discounted=mean_se(scores.discounted),
+        gamma=gamma,
         invalid_rate=scores.invalid_rate,
         metrics=mean_metrics(played),
         played=played,
@@ -196,6 +215,7 @@ class SeatScores:
 
     outcomes: dict[str, list[float]] = field(default_factory=dict)
     points: dict[str, list[float]] = field(default_factory=dict)
+    discounted: list[float] = field(default_factory=list)
     invalid: int = 0
     turns: int = 0
 
@@ -204,7 +224,14 @@ class SeatScores:
         return self.invalid / self.turns if self.turns else 0.0
 
 
-def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool]) -> SeatScores:
+def agent_seat(env: type[Env], episode_index: int) -> int:
+    """The seat a single agent facing an opponent takes in an episode (see ``evaluate``)."""
+    if env.fixed_seat:
+        return env.roles.index(env.default_trained_role)
+    return episode_index % len(env.roles)
+
+
+def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = DISCOUNT) -> SeatScores:
     """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
     scores = SeatScores()
     for i, ep in enumerate(episodes):
@@ -214,6 +241,7 @@ def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool]) -
             role = ep.result.roles[seat.name]
             scores.outcomes.setdefault(seat.name, []).append(role.outcome)
             scores.points.setdefault(seat.name, []).append(role.points)
+            scores.discounted.append(gamma ** max(role.n_turns - 1, 0) * role.outcome)
             scores.invalid += role.n_invalid
             scores.turns += role.n_turns
     return scores

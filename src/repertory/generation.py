@@ -102,7 +102,7 @@ ENOUGH_EVERY = 8
 class HFBackend:
     """Batched sampling with a transformers causal LM (CPU in float32, GPU in bfloat16)."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 64, prefix_cache_tokens: int = 32768):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 64, prefix_cache_tokens: int = 131072):
         self.loaded = loaded
         self.prefix_cache_tokens = prefix_cache_tokens
         self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from repertory.agents import Agent, Request, Response
 from repertory.envs import env_class, load_kernels, make
@@ -29,6 +29,10 @@ class EpisodeSpec:
     group_id: str = ""
     iteration: int = 0
     trainable: list[bool] = field(default_factory=list)
+    guarded: list[bool] = field(default_factory=list)
+
+
+GUARD_RESAMPLES = 2
 
 
 class _Running:
@@ -47,7 +51,13 @@ class _Running:
         self.turns: list[Turn] = []
         self.last_turn: dict[str, Turn] = {}
         self.unattached: dict[str, float] = {}
+        self.guard_counts = {"guard/resampled": 0, "guard/stripped": 0}
         self.tick = 0
+
+    def guarded(self, role: str) -> bool:
+        """Whether the partner guard (environments.md 1.6) watches this role's seat."""
+        seat = self.env.seat_index(role)
+        return bool(self.spec.guarded) and self.spec.guarded[seat]
 
     def requests(self) -> list[tuple[Agent, Request]]:
         out = []
@@ -117,7 +127,7 @@ class _Running:
             seats=seats,
             turns=self.turns,
             result=env.result(),
-            metrics=env.metrics(),
+            metrics={**env.metrics(), **(self.guard_counts if any(spec.guarded) else {})},
             final_observations={f"p{env.seat_index(r)}": env.observe(r) for r in env.roles},
             group_id=spec.group_id,
             iteration=spec.iteration,
@@ -149,11 +159,9 @@ def run_episodes(
                 by_agent.setdefault(id(agent), (agent, []))[1].append((index, request))
         answers: dict[int, dict[str, tuple[Request, Response]]] = {i: {} for i in running}
         for agent, batch in by_agent.values():
-            responses = agent.act([request for _, request in batch])
-            if len(responses) != len(batch):
-                raise RuntimeError(f"agent {agent.name} answered {len(responses)} of {len(batch)} requests")
-            for (index, request), response in zip(batch, responses):
+            for (index, request), response in zip(batch, _act(agent, [request for _, request in batch])):
                 answers[index][request.role] = (request, response)
+        _guard(running, by_agent, answers)
         for index in list(running):
             run = running[index]
             if answers[index]:
@@ -165,6 +173,46 @@ def run_episodes(
                 if on_episode is not None:
                     on_episode(episode)
     return [finished[i] for i in sorted(finished)]
+
+
+def _act(agent: Agent, requests: list[Request]) -> list[Response]:
+    responses = agent.act(requests)
+    if len(responses) != len(requests):
+        raise RuntimeError(f"agent {agent.name} answered {len(responses)} of {len(requests)} requests")
+    return responses
+
+
+def _guard(
+    running: dict[int, _Running],
+    by_agent: dict[int, tuple[Agent, list[tuple[int, Request]]]],
+    answers: dict[int, dict[str, tuple[Request, Response]]],
+) -> None:
+    """The partner guard: a guarded seat whose answer breaks its private limit is asked again, up to
+    ``GUARD_RESAMPLES`` times (batched per agent); then the offending tags are deleted and the rest
+    is sent as a plain message, with no token record (it is not what the model sampled)."""
+    for attempt in range(1, GUARD_RESAMPLES + 2):
+        again: dict[int, tuple[Agent, list[tuple[int, Request]]]] = {}
+        for agent, batch in by_agent.values():
+            for index, request in batch:
+                run = running[index]
+                if not run.guarded(request.role):
+                    continue
+                stripped = run.env.guard(request.role, answers[index][request.role][1].text)
+                if stripped is None:
+                    continue
+                if attempt > GUARD_RESAMPLES:
+                    run.guard_counts["guard/stripped"] += 1
+                    answers[index][request.role] = (request, Response(stripped, finish="guarded"))
+                else:
+                    run.guard_counts["guard/resampled"] += 1
+                    retry = replace(request, attempt=attempt)
+                    again.setdefault(id(agent), (agent, []))[1].append((index, retry))
+        if not again:
+            return
+        for agent, batch in again.values():
+            for (index, request), response in zip(batch, _act(agent, [request for _, request in batch])):
+                answers[index][request.role] = (answers[index][request.role][0], response)
+        by_agent = again
 
 
 def schedule(

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from repertory import algos
-from repertory.agents import Agent, LMOptions, make_agent
+from repertory.agents import Agent, LMOptions, is_model, make_agent
 from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import evaluate, mean_metrics, seat_scores
+from repertory.eval import agent_seat, evaluate, mean_metrics, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -68,8 +68,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
         self.config = config
         self.run_dir = run_dir
-        cls = env_class(config.rollout.env)
-        self.env_roles = cls.roles
+        self.env = env_class(config.rollout.env)
         self.estimator = algos.get_estimator(config.algo.estimator)
         loaded = loaded or load_model(config.model.name, config.model.device)
         self.learner = Learner(
@@ -125,7 +124,7 @@ class Trainer:
         n, pool = rollout.kernels_per_iteration, len(self.kernels)
         picks = [rng.sample(range(pool), min(n - start, pool)) for start in range(0, n, pool)]
         kernels = [self.kernels[k] for chunk in picks for k in chunk]
-        n_seats = len(self.env_roles)
+        n_seats = len(self.env.roles)
         specs = []
         for g, kernel in enumerate(kernels):
             for _ in range(rollout.episodes_per_kernel):
@@ -133,10 +132,12 @@ class Trainer:
                 if self.opponent is None:
                     agents: list[Agent] = [self.live] * n_seats
                     trainable = [True] * n_seats
+                    guarded = []
                 else:
-                    live_seat = i % n_seats
+                    live_seat = agent_seat(self.env, i)
                     agents = [self.live if s == live_seat else self.opponent for s in range(n_seats)]
                     trainable = [s == live_seat for s in range(n_seats)]
+                    guarded = [s != live_seat and is_model(self.opponent) for s in range(n_seats)]
                 specs.append(
                     EpisodeSpec(
                         episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",
@@ -147,6 +148,7 @@ class Trainer:
                         group_id=f"{kernel.id}/{iteration}/{g}",
                         iteration=iteration,
                         trainable=trainable,
+                        guarded=guarded,
                     )
                 )
         return specs
@@ -241,7 +243,12 @@ class Trainer:
             self.eval_opponent,
         )
         self.backend.clear_prefixes()
-        out: dict[str, Any] = {"eval/outcome": result.overall[0], "eval/outcome_se": result.overall[1]}
+        out: dict[str, Any] = {
+            "eval/outcome": result.overall[0],
+            "eval/outcome_se": result.overall[1],
+            "eval/discounted_return": result.discounted[0],
+            "eval/discounted_return_se": result.discounted[1],
+        }
         for role, (mean, se) in result.outcome.items():
             out[f"eval/outcome/{role}"] = mean
             out[f"eval/outcome_se/{role}"] = se

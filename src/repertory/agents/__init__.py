@@ -32,6 +32,7 @@ class Request:
     bots), ``turn_index`` counts the seat's own turns, ``choices`` lists every complete valid
     response when the action here is a finite set (None for free text), and ``max_chars`` is how
     much visible text the environment reads (the rest is cut, so generating it is wasted).
+    ``attempt`` counts the partner guard's requests for a new sample of the same turn (0 first).
     """
 
     episode_id: str
@@ -42,6 +43,7 @@ class Request:
     turn_index: int = 0
     choices: list[str] | None = None
     max_chars: int | None = None
+    attempt: int = 0
 
     @property
     def observation(self) -> list[Message]:
@@ -164,6 +166,11 @@ class HumanAgent:
                 raise RepertoryError(f"standard input closed while waiting for {r.role}'s move")
             out.append(Response(_unescape(line.rstrip("\r\n"))))
         return out
+
+
+def is_model(agent: Agent) -> bool:
+    """Whether a language model writes this agent's text (not a bot, a script or a person)."""
+    return not agent.policy_id.startswith("scripted:") and agent.policy_id != "human"
 
 
 def agent_names(env: type[Env]) -> list[str]:

@@ -54,7 +54,10 @@ class LMAgent:
 
     def act(self, requests: list[Request]) -> list[Response]:
         prompts = [self.prompt_ids(r) for r in requests]
-        seeds = [derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler") for r in requests]
+        seeds = [
+            derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
+            for r in requests
+        ]
         constraints = [
             self.backend.trie(r.choices) if self.constrained and r.choices is not None else None for r in requests
         ]

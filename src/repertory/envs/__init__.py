@@ -1,49 +1,66 @@
 """Environments: a registry of text games with a referee, and their shipped kernels.
 
-``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is registered;
-``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split.
+``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is available;
+``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split. Built-in
+games are imported on first use, so loading one game never imports the others.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from repertory.envs.base import Bot, Env, RoundGame
-from repertory.envs.ipd import IteratedPrisonersDilemma
 from repertory.envs.kernels import generate_kernels, load_kernels, write_kernels
-from repertory.envs.split_no_comm import SplitNoComm
-from repertory.envs.trust_and_split import TrustAndSplit
 from repertory.types import RepertoryError
 
+_BUILTIN: dict[str, str] = {
+    "ipd": "ipd:IteratedPrisonersDilemma",
+    "split-no-comm": "split_no_comm:SplitNoComm",
+    "trust-and-split": "trust_and_split:TrustAndSplit",
+    "craigslist": "craigslist:Craigslist",
+    "ultimatum": "ultimatum:Ultimatum",
+    "deal-or-no-deal": "deal_or_no_deal:DealOrNoDeal",
+    "casino": "casino:Casino",
+    "job-interview": "job_interview:JobInterview",
+    "alliance": "alliance:Alliance",
+}
 _REGISTRY: dict[str, type[Env]] = {}
 
 
 def register_env(cls: type[Env]) -> type[Env]:
     """Class decorator: make ``cls`` available as ``make(cls.name)``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    taken = _REGISTRY.get(cls.name)
+    if (taken is not None and taken is not cls) or (taken is None and cls.name in _BUILTIN and not _is_builtin(cls)):
         raise ValueError(f"environment {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
     return cls
 
 
+def _is_builtin(cls: type[Env]) -> bool:
+    module, name = _BUILTIN[cls.name].split(":")
+    return cls.__module__ == f"{__name__}.{module}" and cls.__qualname__ == name
+
+
 def env_names() -> list[str]:
-    """Registered environment names, in registration order."""
-    return list(_REGISTRY)
+    """Available environment names: the built-in games, then those registered by users."""
+    return list(dict.fromkeys([*_BUILTIN, *_REGISTRY]))
 
 
 def env_class(name: str) -> type[Env]:
     """The class registered as ``name``; unknown names list the known ones."""
+    if name not in _REGISTRY and name in _BUILTIN:
+        module, attr = _BUILTIN[name].split(":")
+        register_env(getattr(import_module(f"{__name__}.{module}"), attr))
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise RepertoryError(f"unknown environment {name!r}; known: {', '.join(_REGISTRY)}") from None
+        raise RepertoryError(f"unknown environment {name!r}; known: {', '.join(env_names())}") from None
 
 
 def make(name: str) -> Env:
     """A fresh instance of the environment registered as ``name``."""
     return env_class(name)()
 
-
-for _cls in (IteratedPrisonersDilemma, SplitNoComm, TrustAndSplit):
-    register_env(_cls)
 
 __all__ = [
     "Bot",

@@ -35,6 +35,11 @@ class Env(ABC):
     default_trained_role: ClassVar[str]
     bots: ClassVar[dict[str, Bot]] = {}
     unique_kernels: ClassVar[bool] = True
+    fixed_seat: ClassVar[bool] = False
+    """True where one agent is trained and evaluated in ``default_trained_role`` against a partner
+    (the negotiations); otherwise an agent facing an opponent takes every seat in turn."""
+    default_partner: ClassVar[str] = "self"
+    """Who sits opposite the evaluated agent by default: "self" (self-play), "base" or a bot name."""
 
     def __init__(self) -> None:
         self.kernel: Kernel | None = None
@@ -120,6 +125,11 @@ class Env(ABC):
     def action_choices(self, role: str) -> list[str] | None:
         """Every complete valid response of ``role`` now, when that is a finite set (for constrained
         decoding); None where the role writes free text."""
+        return None
+
+    def guard(self, role: str, text: str) -> str | None:
+        """The partner guard (environments.md 1.6): None when ``text`` keeps ``role`` within its private
+        limits, else the text with the offending tags deleted. Games without hard limits never object."""
         return None
 
     def seat_index(self, role: str) -> int:
