@@ -148,4 +148,7 @@ def test_out_path_that_is_a_file_is_rejected_before_playing(capsys, tmp_path):
 def test_module_entry_point_exits_2_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "repertory", "play", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split"
+    assert proc.stderr.strip() == (
+        "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split, craigslist, ultimatum, "
+        "deal-or-no-deal, casino, job-interview, alliance"
+    )

@@ -220,7 +220,7 @@ def test_guard_protects_the_walkaway_value() -> None:
     env.step({A: propose(3, 3, 2)})  # B would get one firewood: 3 points
     assert env.guard(B, "Sure. <accept/>") == "Sure."
     assert env.guard(B, "<reject/>") is None
-    assert env.guard(B, f"{propose(0, 3, 0)} <accept/>") == propose(0, 3, 0)
+    assert env.guard(B, f"{propose(0, 3, 0)} <accept/>") == ""  # every tag goes, not only the accept
     env.step({B: "<reject/>"})
     env.step({A: propose(3, 2, 3)})  # B would get one water: 5 points
     assert env.guard(B, "Sure. <accept/>") is None

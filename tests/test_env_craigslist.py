@@ -190,6 +190,9 @@ def test_valid_prices_are_rounded(payload, price):
         ('{"price": 0}', "price must be positive (it rounds to 0)"),
         ('{"price": -20}', "price must be positive (it rounds to -20)"),
         ('{"price": 1e400}', "price must be a finite number"),
+        ('{"price": 1e308}', "price must be at most 10 times the list price"),
+        ('{"price": 2001}', "price must be at most 10 times the list price"),
+        ('{"price": 1' + "0" * 400 + "}", "price must be at most 10 times the list price"),
         ('{"price": NaN}', "NaN is not allowed in JSON"),
         ("{}", "missing key 'price'"),
         ('{"cost": 150}', "unknown key 'cost' (expected price)"),
@@ -303,7 +306,8 @@ def test_guard_protects_the_customer_limit():
     assert env.guard("customer", f"I can do {propose(170.4)}") is None
     assert env.guard("customer", f"I can do {propose(171)}") == "I can do"
     assert env.guard("customer", f"I can do {propose(170.5)} tops") == "I can do  tops"
-    assert env.guard("customer", f"{propose(150)} or {propose(180)}") == f"{propose(150)} or"
+    # Once the guard fires, every tag goes: an earlier in-limit proposal must not become the move.
+    assert env.guard("customer", f"{propose(150)} or {propose(180)}") == "or"
     assert env.guard("customer", f"{propose(190)} or {propose(180)}") == "or"
     assert env.guard("customer", 'Broken <propose>{"price": "x"}</propose>') is None
     assert env.guard("vendor", propose(20)) is None

@@ -266,7 +266,7 @@ def test_guard_protects_the_responder_minimum():
     env = started()
     assert env.guard("responder", f"I keep {keep(40)}") is None
     assert env.guard("responder", f"I keep {keep(39)}") == "I keep"
-    assert env.guard("responder", f"{keep(50)} no, {keep(30)}") == f"{keep(50)} no,"
+    assert env.guard("responder", f"{keep(50)} no, {keep(30)}") == "no,"  # every tag goes
     assert env.guard("responder", "<walkaway/>") is None
     assert env.guard("proposer", keep(100)) is None
 

@@ -305,3 +305,57 @@ def test_cli_play_with_bots_in_both_seats(env, capsys):
     main(["play", env, "--agents", "bot,bot", "--episodes", "2", "--json"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2
+
+
+def craigslist_facing_the_list_price() -> Negotiation:
+    """Craigslist train kernel 0 (list 225, the customer's limit 192) after the vendor asks 225."""
+    game = fresh("craigslist")
+    assert (game.kernel.data["list_price"], game.kernel.data["limit"]) == (225, 192)
+    game.step({"vendor": f'<propose>{{"price": {game.kernel.data["list_price"]}}}</propose>'})
+    return game
+
+
+@pytest.mark.parametrize(
+    ("text", "sent"),
+    [
+        ('<acc<thi<propose>{"price": 200}</propose>nk>x</think>ept/>', ""),
+        ('I will not <walkaway/> yet. <propose>{"price": 200}</propose>', "I will not  yet."),
+        ("I could <reject/> this, but fine: <accept/>", "I could  this, but fine:"),
+        ('<propose>{"price": 1}</propose> or rather <propose>{"price": 200}</propose>', "or rather"),
+    ],
+)
+def test_a_guarded_answer_goes_out_as_a_plain_message(text, sent):
+    game = craigslist_facing_the_list_price()
+    assert game.guard("customer", text) == sent
+    assert game.parse("customer", sent).action.tag == "message"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "<accept/>",
+                "<reject/>",
+                "<walkaway/>",
+                "<think>",
+                "</think>",
+                "<acc",
+                "ept/>",
+                '<propose>{"price": 200}</propose>',
+                '<propose>{"price": 1}</propose>',
+                "x ",
+            ]
+        ),
+        max_size=10,
+    )
+)
+def test_the_guard_never_raises_and_never_lets_a_limit_break_through(parts):
+    game = craigslist_facing_the_list_price()
+    text = "".join(parts)
+    sent = game.guard("customer", text)
+    final = game.parse("customer", text if sent is None else sent).action
+    if sent is not None:
+        assert final.tag == "message"
+    deal = game._deal_of("customer", final)
+    assert deal is None or not game.below_limit("customer", deal)

@@ -15,10 +15,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from repertory.agents import Agent, LMOptions, agent_names, is_model, make_agent
+from repertory.agents import Agent, LMOptions, agent_names, make_agent
 from repertory.envs import env_class, env_names
 from repertory.eval import CrossPlay, crossplay, summarize
-from repertory.rollout import run_episodes, schedule
+from repertory.rollout import guarded_seats, run_episodes, schedule
 from repertory.store import EpisodeStore
 from repertory.types import SPLITS, Episode, RepertoryError
 
@@ -195,7 +195,7 @@ def play(
     lineup = schedule(env, [built[s] for s in specs], episodes, seed, split, kernel)
     trained = cls.roles.index(cls.default_trained_role)
     for spec in lineup:
-        spec.guarded = [guard and cls.fixed_seat and i != trained and is_model(a) for i, a in enumerate(spec.agents)]
+        spec.guarded = guarded_seats(cls, spec.agents, trained) if guard else []
     played = run_episodes(lineup)
     if as_json:
         for ep in played:

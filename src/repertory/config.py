@@ -52,7 +52,8 @@ class RolloutConfig(_Section):
     opponent: str = Field(
         "self",
         description="'self' (the live policy in every seat, all trained), 'base' (the frozen initial model), "
-        "a bot of the environment, or 'model:PATH'. With an opponent the live policy takes each seat in turn.",
+        "a bot of the environment, or 'model:PATH'. With an opponent the live policy takes each seat in turn "
+        "(in negotiations, always the first seat; a model opponent is held to its private limits by the guard).",
     )
     kernels_per_iteration: int = Field(4, ge=1, description="Train kernels drawn per iteration.")
     episodes_per_kernel: int = Field(2, ge=1, description="Episodes per kernel (the GRPO/RLOO group size).")
@@ -148,7 +149,11 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before training and at the end).")
     episodes: int = Field(16, ge=0, description="Episodes per evaluation (0 turns evaluation off).")
     split: Literal["train", "heldout"] = Field("heldout", description="Kernel split to evaluate on.")
-    opponent: str | None = Field(None, description="Line-up for evaluation; default: the rollout opponent.")
+    opponent: str | None = Field(
+        None,
+        description="Line-up for evaluation; default: the rollout opponent (in negotiations trained in self-play, "
+        "the game's partner).",
+    )
 
 
 class TrainConfig(_Section):

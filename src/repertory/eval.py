@@ -13,10 +13,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from repertory.agents import Agent, is_model
+from repertory.agents import Agent
 from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, run_episodes, schedule
-from repertory.types import Episode, RepertoryError
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
+from repertory.types import Episode, RepertoryError, RoleResult
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -31,6 +31,15 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+DISCOUNT = 0.95
+"""gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (environments.md 1.4)."""
+
+
+def discounted(role: RoleResult, gamma: float = DISCOUNT) -> float:
+    """One game's discounted return: gamma^(n-1) * outcome, n being the role's own turns."""
+    return gamma ** max(role.n_turns - 1, 0) * role.outcome
+
+
 @dataclass
 class PairResult:
     """Aggregates of one line-up: per seat mean points and outcome with standard errors, metrics."""
@@ -39,6 +48,7 @@ class PairResult:
     episodes: int
     points: dict[str, tuple[float, float]]
     outcome: dict[str, tuple[float, float]]
+    discounted: dict[str, tuple[float, float]]
     invalid_rate: dict[str, float]
     metrics: dict[str, float]
 
@@ -50,6 +60,8 @@ class PairResult:
             "points_se": {r: s for r, (_, s) in self.points.items()},
             "outcome": {r: m for r, (m, _) in self.outcome.items()},
             "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
+            "discounted_return": {r: m for r, (m, _) in self.discounted.items()},
+            "discounted_return_se": {r: s for r, (_, s) in self.discounted.items()},
             "invalid_rate": self.invalid_rate,
             "metrics": self.metrics,
         }
@@ -68,6 +80,7 @@ def summarize(episodes: list[Episode]) -> PairResult:
         episodes=len(episodes),
         points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
         outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
+        discounted={n: mean_se([discounted(ep.result.roles[n]) for ep in episodes]) for n in names},
         invalid_rate=invalid,
         metrics=mean_metrics(episodes),
     )
@@ -112,17 +125,15 @@ def crossplay(
         raise ValueError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
     pairs = [(a, b) for a in agents for b in agents]
     specs = []
+    trained = cls.roles.index(cls.default_trained_role)
     for a, b in pairs:
         for spec in schedule(env, [agents[a], agents[b]], episodes, seed, split):
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
+            spec.guarded = guarded_seats(cls, spec.agents, trained)
             specs.append(spec)
     played = run_episodes(specs, on_episode=on_episode)
     cells = {pair: summarize(played[i * episodes : (i + 1) * episodes]) for i, pair in enumerate(pairs)}
     return CrossPlay(env, list(agents), cells, played)
-
-
-DISCOUNT = 0.95
-"""gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (environments.md 1.4)."""
 
 
 @dataclass
@@ -189,7 +200,7 @@ def evaluate(
         if opponent is not None:
             live = agent_seat(cls, i)
             spec.agents = [agent if s == live else opponent for s in range(n_seats)]
-            spec.guarded = [s != live and is_model(opponent) for s in range(n_seats)]
+            spec.guarded = guarded_seats(cls, spec.agents, live)
         specs.append(spec)
     played = run_episodes(specs, max_concurrent=max_concurrent)
     scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
@@ -241,7 +252,7 @@ def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], g
             role = ep.result.roles[seat.name]
             scores.outcomes.setdefault(seat.name, []).append(role.outcome)
             scores.points.setdefault(seat.name, []).append(role.points)
-            scores.discounted.append(gamma ** max(role.n_turns - 1, 0) * role.outcome)
+            scores.discounted.append(discounted(role, gamma))
             scores.invalid += role.n_invalid
             scores.turns += role.n_turns
     return scores

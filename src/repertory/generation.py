@@ -23,9 +23,11 @@ import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from repertory.models import LoadedModel
 
@@ -95,6 +97,50 @@ class _Prefix:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [heads, tokens, head_dim]
 
 
+class _GrowingLayer(DynamicLayer):
+    """A KV-cache layer that writes new tokens into spare room instead of concatenating: transformers'
+    dynamic layer copies the whole cache at every decoded token, which dominated long, wide decodes."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._length + key_states.shape[-2]
+        if self._k is None or end > self._k.shape[-2]:
+            room = end + max(GROW_TOKENS, end // 4)
+            batch, heads, _, dim = key_states.shape
+            k = key_states.new_empty((batch, heads, room, dim))
+            v = value_states.new_empty((batch, value_states.shape[1], room, value_states.shape[-1]))
+            if self._k is not None:
+                k[..., : self._length, :] = self._k[..., : self._length, :]
+                v[..., : self._length, :] = self._v[..., : self._length, :]
+            self._k, self._v = k, v
+        self._k[..., self._length : end, :] = key_states
+        self._v[..., self._length : end, :] = value_states
+        self._length = end
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
+
+
+def _growing_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _GrowingLayer
+    return cache
+
+
+GROW_TOKENS = 128
 MIN_REUSE = 8
 ENOUGH_EVERY = 8
 
@@ -287,15 +333,15 @@ class HFBackend:
 
     def _assemble_past(
         self, reused: list[tuple[list[int], _Prefix] | None], device: torch.device
-    ) -> tuple[DynamicCache | None, torch.Tensor]:
-        """A left-padded batch cache of the reused prefixes, and its attention mask."""
+    ) -> tuple[DynamicCache, torch.Tensor]:
+        """A left-padded batch cache of the reused prefixes (empty when none), and its attention mask."""
         n = len(reused)
         longest = max((len(r[0]) for r in reused if r), default=0)
         mask = torch.zeros((n, longest), dtype=torch.long)
+        cache = _growing_cache()
         if longest == 0:
-            return None, mask
+            return cache, mask
         sample = next(r[1].kv for r in reused if r)
-        cache = DynamicCache()
         for layer, (k0, v0) in enumerate(sample):
             keys = k0.new_zeros((n, k0.shape[0], longest, k0.shape[2]))
             values = v0.new_zeros((n, v0.shape[0], longest, v0.shape[2]))
@@ -348,18 +394,17 @@ class HFBackend:
         input_ids: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
-        cache: DynamicCache | None,
+        cache: DynamicCache,
         keep: int = 1,
     ) -> tuple[torch.Tensor, DynamicCache]:
         """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache."""
-        kwargs = {self._cache_kwarg: cache} if cache is not None else {}
         output = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=keep,
-            **kwargs,
+            **{self._cache_kwarg: cache},
         )
         self.stats.forward_passes += 1
         new_cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)

@@ -12,8 +12,8 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
-from repertory.agents import Agent, Request, Response
-from repertory.envs import env_class, load_kernels, make
+from repertory.agents import Agent, Request, Response, is_model
+from repertory.envs import Env, env_class, load_kernels, make
 from repertory.types import Episode, Kernel, Message, RepertoryError, Seat, Turn, derive
 
 
@@ -173,6 +173,14 @@ def run_episodes(
                 if on_episode is not None:
                     on_episode(episode)
     return [finished[i] for i in sorted(finished)]
+
+
+def guarded_seats(env: type[Env], agents: list[Agent], trained_seat: int) -> list[bool]:
+    """The seats the partner guard watches (environments.md 1.6): in games with a private limit to
+    protect, every seat but the trained one that a model fills; never a bot, script or person."""
+    if not env.guarded_limit:
+        return []
+    return [seat != trained_seat and is_model(agent) for seat, agent in enumerate(agents)]
 
 
 def _act(agent: Agent, requests: list[Request]) -> list[Response]:

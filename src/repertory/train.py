@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from repertory import algos
-from repertory.agents import Agent, LMOptions, is_model, make_agent
+from repertory.agents import Agent, LMOptions, make_agent
 from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
@@ -41,7 +41,7 @@ from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
 from repertory.report import write_report
-from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
 from repertory.store import write_episodes
 from repertory.types import Episode, RepertoryError, derive
 
@@ -86,7 +86,9 @@ class Trainer:
         sampler_seed = derive(config.seed, "sampler")
         self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
         self.opponent = self._agent(config.rollout.opponent)
-        eval_spec = config.eval.opponent if config.eval.opponent is not None else config.rollout.opponent
+        eval_spec = config.eval.opponent or config.rollout.opponent
+        if eval_spec == "self" and config.eval.opponent is None and self.env.fixed_seat:
+            eval_spec = self.env.default_partner  # negotiations are measured against their partner
         self.eval_opponent = self._agent(eval_spec)
         self.kernels = load_kernels(config.rollout.env, "train")
         self.iteration = 0
@@ -137,7 +139,7 @@ class Trainer:
                     live_seat = agent_seat(self.env, i)
                     agents = [self.live if s == live_seat else self.opponent for s in range(n_seats)]
                     trainable = [s == live_seat for s in range(n_seats)]
-                    guarded = [s != live_seat and is_model(self.opponent) for s in range(n_seats)]
+                    guarded = guarded_seats(self.env, agents, live_seat)
                 specs.append(
                     EpisodeSpec(
                         episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",

@@ -40,6 +40,8 @@ class Env(ABC):
     (the negotiations); otherwise an agent facing an opponent takes every seat in turn."""
     default_partner: ClassVar[str] = "self"
     """Who sits opposite the evaluated agent by default: "self" (self-play), "base" or a bot name."""
+    guarded_limit: ClassVar[str] = ""
+    """The private limit the partner guard protects, in words; empty where the game has none."""
 
     def __init__(self) -> None:
         self.kernel: Kernel | None = None

@@ -116,6 +116,8 @@ HOUSING_BANKS = (
     ),
 )
 TARGET_PCTS = (50, 70, 90)
+PRICE_CAP = 10
+"""Prices above this multiple of the list price are invalid (our choice: keeps every number finite)."""
 
 
 def banks(category: str) -> tuple[tuple[str, ...], ...]:
@@ -299,6 +301,8 @@ class Craigslist(Negotiation):
         price = rnd(Fraction(value))
         if price <= 0:
             raise PayloadError(f"price must be positive (it rounds to {price})")
+        if price > PRICE_CAP * self.list_price:
+            raise PayloadError(f"price must be at most {PRICE_CAP} times the list price")
         return {"price": price}
 
     def deal_points(self, role: str, deal: Standing) -> int:

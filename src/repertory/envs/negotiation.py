@@ -75,8 +75,6 @@ class Negotiation(Env):
     walkaway_points: ClassVar[int] = 0
     """Points each side gets when either walks away (CaSiNo: 5)."""
     limit_text: ClassVar[str] = "The message limit was reached without a deal."
-    guarded_limit: ClassVar[str] = ""
-    """What the partner guard protects, in words; empty when the game has no hard limit."""
 
     # -- what each game supplies ------------------------------------------------------------------
 
@@ -273,16 +271,21 @@ class Negotiation(Env):
     def guard(self, role: str, text: str) -> str | None:
         if not self.guarded_limit:
             return None
-        visible = clean(text, self.max_chars(role))
-        changed = False
+        deal = self._deal_of(role, self.parse(role, text).action)
+        if deal is None or not self.below_limit(role, deal):
+            return None
+        # The rest goes out as a plain message: every action tag goes, not only the offending one
+        # (an earlier <reject/> must not become the move), until cleaning and deleting change nothing
+        # (deleting a tag can join fragments into a new tag or a <think> block).
+        visible = text
         while True:
-            parsed = self.parse(role, visible)
-            deal = self._deal_of(role, parsed.action)
-            if deal is None or not self.below_limit(role, deal):
-                return visible if changed else None
-            tag = find_tags(visible, PROPOSE, self.empty_tags)[-1]
-            visible = (visible[: tag.start] + visible[tag.end :]).strip()
-            changed = True
+            cleaned = clean(visible, self.max_chars(role))
+            stripped = cleaned
+            for tag in reversed(find_tags(cleaned, PROPOSE, self.empty_tags)):
+                stripped = stripped[: tag.start] + stripped[tag.end :]
+            if stripped == visible:
+                return stripped.strip()
+            visible = stripped
 
     def _deal_of(self, role: str, action: Action | None) -> Standing | None:
         """The deal ``role`` would bind itself to with ``action``: its proposal, or what it accepts."""
