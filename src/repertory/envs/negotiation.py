@@ -16,6 +16,7 @@ guard protects (:meth:`Negotiation.below_limit`). The aspiration bot of environm
 
 from __future__ import annotations
 
+import json
 import math
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
@@ -42,17 +43,8 @@ def rnd(x: Fraction | int) -> int:
 def tag_text(tag: str, offer: Offer | None = None) -> str:
     """A well-formed action tag, as bots and examples write it."""
     if tag == "propose":
-        body = ", ".join(f"{_json_key(k)}: {_json_value(v)}" for k, v in (offer or {}).items())
-        return f"<propose>{{{body}}}</propose>"
+        return f"<propose>{json.dumps(offer or {})}</propose>"
     return f"<{tag}/>"
-
-
-def _json_key(key: str) -> str:
-    return f'"{key}"'
-
-
-def _json_value(value: Any) -> str:
-    return f'"{value}"' if isinstance(value, str) else str(value)
 
 
 @dataclass(frozen=True)
