@@ -1,4 +1,4 @@
-"""Advantage estimators and per-token losses (algorithms.md sections 2-4).
+"""Advantage estimators and per-token losses (algorithms.md sections 2-4 and 7).
 
 Estimators turn the per-turn rewards (and, for critic estimators, per-token values) of trainable seats into
 per-token advantages. They are pure functions over plain lists of Python floats (float64 math); the only
@@ -36,6 +36,13 @@ class TrajectoryInput:
     rewards: list[float]  # r_k per turn of this seat, terminal reward R already added to the last turn
     lengths: list[int]  # L_k = valid (loss-mask 1) tokens of each turn; 0 marks an empty turn
     values: list[list[float]] | None = None  # v[k][j] per valid token (critic estimators); [] for empty turns
+    # Round-based games (Advantage Alignment family, section 7); empty/None elsewhere.
+    group_id: str = ""  # crn group: episodes sharing kernel and environment seed
+    seat_id: str = ""
+    turn_rounds: list[int] | None = None  # 0-based game round of each turn
+    round_points: list[float] | None = None  # this seat's raw points per round
+    opponent_seat_id: str = ""
+    opponent_round_points: list[float] | None = None  # the other seat's raw points per round, same match
 
 
 @dataclass
@@ -53,6 +60,11 @@ class EstimatorParams:
     ema_update: str = "per_trajectory"  # "per_trajectory" | "per_batch"
     turn_discount: float = 1.0  # 4.6 gamma for critic-free per-turn advantages
     strict: bool = False  # singleton groups raise instead of giving 0
+    round_gamma: float = 0.9  # 7.2 return discount over rounds
+    aa_gamma: float = 0.9  # 7.3 gamma_aa of the shaping sum
+    aa_beta: float = 0.5  # 7.3 shaping strength
+    reward_constant: float = 1.0  # 7.1 c: step reward = raw round points / c
+    discount_state_visitation: bool = False  # 7.3 multiply C_t by round_gamma^t
 
 
 @dataclass
@@ -374,6 +386,132 @@ def rae(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dic
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Advantage Alignment family (section 7): round steps, crn-group leave-one-out baselines, credits
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _discounted_returns(rewards: list[float], gamma: float) -> list[float]:
+    """G_t = sum_{l>=t} gamma^(l-t) r_l."""
+    out, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        running = out[t] = rewards[t] + gamma * running
+    return out
+
+
+def _leave_one_out(
+    members: list[tuple[int, list[float]]], metrics: dict[str, float], strict: bool, key: object
+) -> dict[int, list[float]]:
+    """A = G - mean of the other members' G, per round index; all zeros (counted) without another member."""
+    if len(members) < 2:
+        if strict:
+            raise RepertoryError(f"group {key} has a single match; a leave-one-out baseline needs two")
+        metrics["singleton_groups"] += 1
+        return {m: [0.0] * len(g) for m, g in members}
+    out = {}
+    for m, g in members:
+        others = [other for n, other in members if n != m]
+        out[m] = [
+            g[t] - math.fsum(o[t] for o in others if t < len(o)) / max(1, sum(t < len(o) for o in others))
+            for t in range(len(g))
+        ]
+    return out
+
+
+def _round_advantages(
+    trajectories: list[TrajectoryInput], params: EstimatorParams, metrics: dict[str, float]
+) -> list[tuple[list[float], list[float]]]:
+    """(A1, A2) per trajectory over rounds (7.2): own and opponent advantages from the same match."""
+    for traj in trajectories:
+        _check(traj, needs_values=False)
+        if traj.round_points is None or traj.opponent_round_points is None or traj.turn_rounds is None:
+            raise RepertoryError(
+                "Advantage Alignment estimators need round-based two-player games (ipd, split-no-comm, "
+                f"trust-and-split); {traj.env} episodes carry no per-round points"
+            )
+        if len(traj.turn_rounds) != len(traj.lengths):
+            raise RepertoryError(f"{len(traj.turn_rounds)} turn rounds for {len(traj.lengths)} turns")
+    c = params.reward_constant
+    # One entry per (match, seat, side): the trained side's own returns, and its opponent's.
+    own = [_discounted_returns([p / c for p in t.round_points], params.round_gamma) for t in trajectories]
+    opp = [_discounted_returns([p / c for p in t.opponent_round_points], params.round_gamma) for t in trajectories]
+    matches: dict[tuple[str, str], set[int]] = {}
+    for t in trajectories:
+        matches.setdefault((t.env, t.group_id), set()).add(t.episode_index)
+    pools: dict[tuple, list[tuple[int, list[float]]]] = {}
+    for i, t in enumerate(trajectories):
+        # Singleton crn groups pool the whole batch, still per seat and side (7.2).
+        group = t.group_id if len(matches[(t.env, t.group_id)]) > 1 else None
+        pools.setdefault((t.env, group, t.seat_id, "own"), []).append((t.episode_index, own[i]))
+        pools.setdefault((t.env, group, t.opponent_seat_id, "opponent"), []).append((t.episode_index, opp[i]))
+    advantages: dict[tuple, dict[int, list[float]]] = {}
+    metrics["singleton_groups"] = 0.0
+    for key, members in pools.items():
+        if len({m for m, _ in members}) != len(members):
+            raise RepertoryError(f"two trajectories of one match share the baseline pool {key}")
+        advantages[key] = _leave_one_out(members, metrics, params.strict, key)
+    out = []
+    for t in trajectories:
+        group = t.group_id if len(matches[(t.env, t.group_id)]) > 1 else None
+        a1 = advantages[(t.env, group, t.seat_id, "own")][t.episode_index]
+        a2 = advantages[(t.env, group, t.opponent_seat_id, "opponent")][t.episode_index]
+        out.append((a1, a2))
+    return out
+
+
+def aa_credits(a1: list[float], a2: list[float], beta: float, gamma_aa: float) -> list[float]:
+    """Advantage Alignment credit (7.3): C_t = A1_t + beta * gamma_aa * (sum_{k<t} gamma_aa^(t-k) A1_k) * A2_t."""
+    credits, past = [], 0.0  # past = sum_{k<t} gamma_aa^(t-k) A1_k, carried forward one round at a time
+    for t, (own, opponent) in enumerate(zip(a1, a2)):
+        past = gamma_aa * past + (gamma_aa * a1[t - 1] if t else 0.0)
+        credits.append(own + beta * gamma_aa * past * opponent)
+    return credits
+
+
+_Credit = Callable[[list[float], list[float], EstimatorParams], list[float]]
+
+
+def _round_estimate(trajectories: list[TrajectoryInput], params: EstimatorParams, credit: _Credit) -> Estimate:
+    metrics: dict[str, float] = {}
+    pairs = _round_advantages(trajectories, params, metrics)
+    advantages = []
+    own_sum = opp_sum = credit_sum = 0.0
+    n_rounds = 0
+    for traj, (a1, a2) in zip(trajectories, pairs):
+        c = credit(a1, a2, params)
+        if params.discount_state_visitation:
+            c = [params.round_gamma**t * x for t, x in enumerate(c)]
+        for k, r in enumerate(traj.turn_rounds):
+            if not 0 <= r < len(c):
+                raise RepertoryError(f"turn {k} is in round {r}, but the game has {len(c)} rounds")
+        advantages.append([[c[r]] * n for r, n in zip(traj.turn_rounds, traj.lengths)])
+        own_sum, opp_sum, credit_sum = own_sum + math.fsum(a1), opp_sum + math.fsum(a2), credit_sum + math.fsum(c)
+        n_rounds += len(c)
+    if n_rounds:
+        metrics.update(
+            {"a1_mean": own_sum / n_rounds, "a2_mean": opp_sum / n_rounds, "credit_mean": credit_sum / n_rounds}
+        )
+    return Estimate(advantages, None, metrics)
+
+
+@register_estimator("adalign")
+def adalign(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+    """Advantage Alignment (7.3): own advantage plus the opponent-shaping term."""
+    return _round_estimate(trajectories, params, lambda a1, a2, p: aa_credits(a1, a2, p.aa_beta, p.aa_gamma))
+
+
+@register_estimator("naive")
+def naive(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+    """Naive learner (7.3): the own round advantage only."""
+    return _round_estimate(trajectories, params, lambda a1, a2, p: list(a1))
+
+
+@register_estimator("shared-reward")
+def shared_reward(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+    """Shared reward (7.3): own plus opponent round advantage."""
+    return _round_estimate(trajectories, params, lambda a1, a2, p: [x + y for x, y in zip(a1, a2)])
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Whitening and per-token losses (2.6, 2.7)
 # ----------------------------------------------------------------------------------------------------------
 
@@ -406,6 +544,15 @@ def policy_loss(
             raise RepertoryError(f"dual_clip must be > 1, got {dual_clip}")
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
     return loss, (clipped < unclipped).to(loss.dtype)
+
+
+def truncated_is_loss(
+    logp_new: Tensor, logp_sample: Tensor, advantages: Tensor, cap: float = 2.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE with a truncated importance weight (7.4): -w * A * logp_new per token, and the detached
+    weights w = min(exp(logp_new - logp_sample), cap), which also weight the KL term."""
+    weights = torch.clamp(torch.exp(logp_new - logp_sample), max=cap).detach()
+    return -weights * advantages * logp_new, weights
 
 
 def reinforce_loss(logp_new: Tensor, advantages: Tensor) -> Tensor:

@@ -51,9 +51,10 @@ class RolloutConfig(_Section):
     env: str = Field("ipd", description="Environment name (see `repertory envs`).")
     opponent: str = Field(
         "self",
-        description="'self' (the live policy in every seat, all trained), 'base' (the frozen initial model), "
-        "a bot of the environment, or 'model:PATH'. With an opponent the live policy takes each seat in turn "
-        "(in negotiations, always the first seat; a model opponent is held to its private limits by the guard).",
+        description="'self' (the live policy in every seat, all trained), 'pool' (a past snapshot or a frozen copy "
+        "of the live policy, see the pool section), 'base' (the frozen initial model), a bot of the environment, "
+        "or 'model:PATH'. With an opponent the live policy takes each seat in turn (in negotiations, always the "
+        "first seat; a model opponent is held to its private limits by the guard).",
     )
     kernels_per_iteration: int = Field(4, ge=1, description="Train kernels drawn per iteration.")
     episodes_per_kernel: int = Field(2, ge=1, description="Episodes per kernel (the GRPO/RLOO group size).")
@@ -77,11 +78,11 @@ class RolloutConfig(_Section):
         from repertory.envs import env_class
 
         env = info.data.get("env")
-        if env is None or opponent in ("self", "base") or opponent.startswith(("model:", "script:")):
+        if env is None or opponent in ("self", "base", "pool") or opponent.startswith(("model:", "script:")):
             return opponent
         bots = list(env_class(env).bots)
         if opponent not in bots:
-            allowed = ", ".join(["self", "base", *bots, "model:PATH", "script:FILE"])
+            allowed = ", ".join(["self", "pool", "base", *bots, "model:PATH", "script:FILE"])
             raise ValueError(f"unknown opponent {opponent!r} for {env}; allowed: {allowed}")
         return opponent
 
@@ -89,7 +90,11 @@ class RolloutConfig(_Section):
 class AlgoConfig(_Section):
     """Advantage estimation and losses (algorithms.md sections 2-4)."""
 
-    estimator: str = Field("omar", description="Advantage estimator: omar, gae, grpo, rloo, reinforce, rae, ...")
+    estimator: str = Field(
+        "omar",
+        description="Advantage estimator: omar, gae, grpo, rloo, reinforce-pp, reinforce, rae, adalign, naive, "
+        "shared-reward.",
+    )
     gamma_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level discount.")
     lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
     gamma_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level discount.")
@@ -100,8 +105,20 @@ class AlgoConfig(_Section):
     ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
     ema_update: Literal["per_trajectory", "per_batch"] = Field("per_trajectory", description="EMA update order.")
     turn_discount: float = Field(1.0, ge=0, le=1, description="Per-turn discount of critic-free advantages.")
+    round_gamma: float = Field(0.9, ge=0, le=1, description="adalign/naive/shared-reward: return discount over rounds.")
+    aa_gamma: float = Field(0.9, ge=0, le=1, description="adalign: discount gamma_aa of the opponent-shaping sum.")
+    aa_beta: float = Field(0.5, ge=0, description="adalign: strength beta of the opponent-shaping term.")
+    reward_constant: float = Field(
+        1.0, gt=0, description="adalign/naive/shared-reward: step reward = raw round points / this constant c."
+    )
+    discount_state_visitation: bool = Field(False, description="adalign family: multiply round t's credit by gamma^t.")
     whiten: bool | None = Field(None, description="Whiten advantages over the batch; default: the estimator's.")
-    policy_loss: Literal["ppo", "reinforce"] = Field("ppo", description="PPO clip, or plain REINFORCE.")
+    policy_loss: Literal["ppo", "reinforce", "tis"] = Field(
+        "ppo",
+        description="PPO clip, plain REINFORCE, or REINFORCE with truncated importance weights (tis, Advantage "
+        "Alignment 7.4: w = min(exp(logp_new - logp_old), is_cap), also weighting the KL term).",
+    )
+    is_cap: float = Field(2.0, gt=0, description="Truncation of the importance weight of policy_loss tis.")
     eps_low: float = Field(0.2, gt=0, description="PPO lower clip.")
     eps_high: float = Field(0.2, gt=0, description="PPO upper clip.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (off when null).")
@@ -143,6 +160,18 @@ class CriticConfig(_Section):
     value_coef: float = Field(0.5, ge=0, description="Weight of the value loss when the backbone is shared.")
 
 
+class PoolConfig(_Section):
+    """The opponent pool of rollout.opponent 'pool' (Advantage Alignment 7.5): LoRA snapshots of the learner.
+
+    Crn group g trains seat g mod 2; in each match the other seat is, with probability ``p_snapshot``, a
+    uniformly drawn past snapshot, else a frozen copy of the live policy (never trained). Snapshots are
+    adapters loaded into the one policy model and switched per batch, not extra model copies."""
+
+    snapshot_every: int = Field(10, ge=1, description="Snapshot the live adapter every N iterations (and at 0).")
+    p_snapshot: float = Field(0.5, ge=0, le=1, description="Probability that a match's opponent is a snapshot.")
+    max_served: int = Field(28, ge=1, description="Most distinct snapshots served in one iteration (random subset).")
+
+
 class EvalConfig(_Section):
     """Periodic held-out evaluation during training."""
 
@@ -169,6 +198,7 @@ class TrainConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
 

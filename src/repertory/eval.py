@@ -5,12 +5,16 @@ opponent with the seats balanced, and reports its normalised outcome per role wi
 errors. In cross-play every ordered pair (row agent in the first seat, column agent in the second) plays the same
 kernels with the same episode seeds, so differences between cells come from the agents alone.
 All pairs run through the rollout engine together: one batched call per agent per tick.
+``crossplay_report`` turns a cross-play into the game-theoretic summary of algorithms.md 8.2 and
+8.4: the outcome matrix M and welfare matrix W over both seat orders, Bradley-Terry ratings,
+cooperation metrics per agent and, in the prisoner's dilemma, the classic strategy each agent
+plays most like.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from repertory.agents import Agent
@@ -88,18 +92,36 @@ def summarize(episodes: list[Episode]) -> PairResult:
 
 @dataclass
 class CrossPlay:
-    """The cross-play matrix of one environment: ``cells[(row, col)]`` and per-agent mean outcome."""
+    """The cross-play matrix of one environment: ``cells[(row, col)]`` and per-agent mean outcome.
+
+    ``games[(row, col)]`` holds the episodes of a cell, the row agent in the first seat."""
 
     env: str
     agents: list[str]
     cells: dict[tuple[str, str], PairResult]
     episodes: list[Episode] = field(default_factory=list, repr=False)
+    games: dict[tuple[str, str], list[Episode]] = field(default_factory=dict, repr=False)
+
+    def seats_of(self, agent: str) -> list[tuple[Episode, int]]:
+        """Every (episode, seat index) ``agent`` played, in either seat of any cell."""
+        return [
+            (ep, seat)
+            for pair, episodes in self.games.items()
+            for seat, name in enumerate(pair)
+            if name == agent
+            for ep in episodes
+        ]
+
+    def meetings(self, a: str, b: str) -> list[tuple[Episode, list[int]]]:
+        """Every game between ``a`` and ``b`` with a's seats: the first in cell (a, b), the second in
+        cell (b, a), both in self-play."""
+        if a == b:
+            return [(ep, [0, 1]) for ep in self.games[(a, a)]]
+        return [(ep, [0]) for ep in self.games[(a, b)]] + [(ep, [1]) for ep in self.games[(b, a)]]
 
     def agent_outcome(self, agent: str) -> float:
         """Mean outcome of ``agent`` over all its games, in either seat."""
-        values = [
-            ep.result.roles[seat.name].outcome for ep in self.episodes for seat in ep.seats if seat.agent == agent
-        ]
+        values = [ep.result.roles[ep.seats[seat].name].outcome for ep, seat in self.seats_of(agent)]
         return sum(values) / len(values)
 
     def to_json(self) -> dict[str, object]:
@@ -122,7 +144,7 @@ def crossplay(
     """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each."""
     cls = env_class(env)
     if len(cls.roles) != 2:
-        raise ValueError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
+        raise RepertoryError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
     pairs = [(a, b) for a in agents for b in agents]
     specs = []
     trained = cls.roles.index(cls.default_trained_role)
@@ -132,8 +154,336 @@ def crossplay(
             spec.guarded = guarded_seats(cls, spec.agents, trained)
             specs.append(spec)
     played = run_episodes(specs, on_episode=on_episode)
-    cells = {pair: summarize(played[i * episodes : (i + 1) * episodes]) for i, pair in enumerate(pairs)}
-    return CrossPlay(env, list(agents), cells, played)
+    games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
+    cells = {pair: summarize(cell) for pair, cell in games.items()}
+    return CrossPlay(env, list(agents), cells, played, games)
+
+
+WELFARE = "collective_payoff_normalized"
+"""The episode metric W averages: the collective payoff as a share of the best possible welfare, which
+every round game reports (in Split No-Comm it is the split efficiency)."""
+
+Matrix = dict[str, dict[str, tuple[float, float]]]
+"""``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
+
+
+@dataclass
+class Ratings:
+    """Bradley-Terry ratings (algorithms.md 8.2): ``R = 1000 + 400 log10(pi / pi_anchor)`` within each
+    connected component of the played pairs; ``anchors[c]`` is the member of component c rated 1000.
+    ``games`` and ``score`` count the rated games (self-play and virtual draws excluded)."""
+
+    rating: dict[str, float]
+    component: dict[str, int]
+    anchors: list[str]
+    games: dict[str, int]
+    score: dict[str, float]
+    requested_anchor: str | None = None
+
+    @property
+    def connected(self) -> bool:
+        return len(self.anchors) == 1
+
+    def notes(self) -> list[str]:
+        """What a reader must know before comparing ratings: components, and an anchor other than the requested one."""
+        notes = []
+        if self.requested_anchor not in self.rating:
+            missing = f"{self.requested_anchor} is not in the line-up" if self.requested_anchor else "no anchor given"
+            notes.append(
+                f"{missing}: rated 1000 is the best-connected member (most distinct opponents, then most games, "
+                f"then first in the line-up): {', '.join(self.anchors)}"
+            )
+        if not self.connected:
+            notes.append(
+                f"the line-up is not connected through played pairs: ratings are fitted per component "
+                f"({len(self.anchors)}), each anchored (1000) on {', '.join(self.anchors)}, and compare only within one"
+            )
+        return notes
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rating": self.rating,
+            "component": self.component,
+            "anchors": self.anchors,
+            "connected": self.connected,
+            "games": self.games,
+            "score": self.score,
+            "notes": self.notes(),
+        }
+
+
+MM_TOLERANCE = 1e-12
+MM_MAX_ITERATIONS = 1_000_000
+
+
+def bradley_terry(
+    names: list[str], games: Iterable[tuple[str, str, float]], prior: bool = True, anchor: str | None = None
+) -> Ratings:
+    """Bradley-Terry ratings of ``names`` from games ``(a, b, score of a)``, the score 1, 0.5 or 0.
+
+    Fitted by MM iterations ``pi_a <- W_a / sum_b n_ab / (pi_a + pi_b)``, renormalised to geometric
+    mean 1, until the largest relative change is below 1e-12; ``prior`` adds one virtual drawn game
+    for every pair that played. Self-play games are ignored. Each connected component of the played
+    pairs is anchored on ``anchor`` if it holds it, else on its best-connected member."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"agent names must be unique: {names}")
+    played = {a: dict.fromkeys(names, 0) for a in names}
+    scored = {a: dict.fromkeys(names, 0.0) for a in names}
+    for a, b, score in games:
+        if a not in played or b not in played:
+            raise ValueError(f"game between {a!r} and {b!r}: not in the line-up {names}")
+        if score not in (0, 0.5, 1):
+            raise ValueError(f"a game scores 1, 0.5 or 0 (got {score})")
+        if a == b:
+            continue
+        played[a][b] += 1
+        played[b][a] += 1
+        scored[a][b] += score
+        scored[b][a] += 1 - score
+    virtual = 1.0 if prior else 0.0
+    n = {a: {b: played[a][b] + (virtual if played[a][b] else 0.0) for b in names} for a in names}
+    w = {a: {b: scored[a][b] + (virtual / 2 if played[a][b] else 0.0) for b in names} for a in names}
+    order = {a: i for i, a in enumerate(names)}
+    rating: dict[str, float] = {}
+    component: dict[str, int] = {}
+    anchors = []
+    for c, members in enumerate(_components(names, played)):
+        pi = _mm_strengths(members, n, w)
+        best = (
+            anchor
+            if anchor in members
+            else max(
+                members, key=lambda a: (sum(x > 0 for x in played[a].values()), sum(played[a].values()), -order[a])
+            )
+        )
+        anchors.append(best)
+        for a in members:
+            rating[a] = 1000 + 400 * math.log10(pi[a] / pi[best])
+            component[a] = c
+    return Ratings(
+        rating=rating,
+        component=component,
+        anchors=anchors,
+        games={a: sum(played[a].values()) for a in names},
+        score={a: sum(scored[a].values()) for a in names},
+        requested_anchor=anchor,
+    )
+
+
+def _components(names: list[str], played: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Connected components of the played pairs, members in line-up order, ordered by first member."""
+    seen: set[str] = set()
+    components = []
+    for start in names:
+        if start in seen:
+            continue
+        reached, frontier = {start}, [start]
+        while frontier:
+            a = frontier.pop()
+            for b, count in played[a].items():
+                if count and b not in reached:
+                    reached.add(b)
+                    frontier.append(b)
+        seen |= reached
+        components.append([a for a in names if a in reached])
+    return components
+
+
+def _mm_strengths(
+    members: list[str], n: dict[str, dict[str, float]], w: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Maximum-likelihood strengths of one component, geometric mean 1."""
+    if len(members) == 1:
+        return {members[0]: 1.0}
+    if not all(_reaches_all(members, edge) for edge in (lambda a, b: w[a][b] > 0, lambda a, b: w[b][a] > 0)):
+        # Some group won (or lost) every game against the rest: its strength ratio grows without bound.
+        raise ValueError(f"no finite ratings for {members}: some agents won or lost every game against the others")
+    pi = dict.fromkeys(members, 1.0)
+    wins = {a: sum(w[a][b] for b in members) for a in members}
+    for _ in range(MM_MAX_ITERATIONS):
+        new = {a: wins[a] / sum(n[a][b] / (pi[a] + pi[b]) for b in members if n[a][b]) for a in members}
+        scale = math.exp(sum(math.log(v) for v in new.values()) / len(new))
+        new = {a: v / scale for a, v in new.items()}
+        change = max(abs(new[a] - pi[a]) / pi[a] for a in members)
+        pi = new
+        if change < MM_TOLERANCE:
+            return pi
+    raise RuntimeError(f"Bradley-Terry MM did not converge in {MM_MAX_ITERATIONS} iterations")
+
+
+def _reaches_all(members: list[str], edge: Callable[[str, str], bool]) -> bool:
+    reached, frontier = {members[0]}, [members[0]]
+    while frontier:
+        a = frontier.pop()
+        for b in members:
+            if b not in reached and edge(a, b):
+                reached.add(b)
+                frontier.append(b)
+    return len(reached) == len(members)
+
+
+IPD_STRATEGIES: dict[str, Callable[[str, str], str]] = {
+    "always-cooperate": lambda own, other: "A",
+    "always-defect": lambda own, other: "B",
+    "tit-for-tat": lambda own, other: other[-1] if other else "A",
+    "suspicious-tit-for-tat": lambda own, other: other[-1] if other else "B",
+    "win-stay-lose-shift": lambda own, other: ("A" if own[-1] == other[-1] else "B") if own else "A",
+    "grim-trigger": lambda own, other: "B" if "B" in other else "A",
+}
+"""Classic IPD strategies: the move (A cooperates, B defects) after the player's and its partner's
+earlier moves. The order breaks ties in agreement: unconditional strategies first, then those that
+remember one round, then grim trigger, which remembers the whole game. Win-stay-lose-shift (Pavlov)
+repeats its move after the partner cooperated and switches after it defected."""
+
+
+@dataclass
+class StrategyFit:
+    """How often a player's IPD moves agree with each classic strategy given the same history."""
+
+    agreement: dict[str, float]
+    moves: int
+
+    @property
+    def closest(self) -> str:
+        """The strategy with the highest agreement; ties go to the earlier one of ``IPD_STRATEGIES``."""
+        return max(self.agreement, key=lambda name: self.agreement[name])
+
+    def to_json(self) -> dict[str, object]:
+        return {"agreement": self.agreement, "closest": self.closest, "moves": self.moves}
+
+
+def fit_ipd_strategy(games: Iterable[tuple[str, str]]) -> StrategyFit:
+    """Agreement with each of ``IPD_STRATEGIES`` over games given as (own moves, partner's moves),
+    strings of A and B in round order: every own move is compared with what the strategy would have
+    played after the same rounds."""
+    matches = dict.fromkeys(IPD_STRATEGIES, 0)
+    moves = 0
+    for own, other in games:
+        for r, move in enumerate(own):
+            moves += 1
+            for name, strategy in IPD_STRATEGIES.items():
+                matches[name] += strategy(own[:r], other[:r]) == move
+    if not moves:
+        raise ValueError("no IPD moves to compare with the classic strategies")
+    return StrategyFit({name: m / moves for name, m in matches.items()}, moves)
+
+
+def ipd_moves(episode: Episode, seat: int) -> tuple[str, str]:
+    """The moves of a seat of an IPD episode and those of its partner, in round order."""
+    own, other = (
+        "".join(turn.action.value for turn in episode.trajectory(f"p{s}"))  # type: ignore[union-attr]
+        for s in (seat, 1 - seat)
+    )
+    return own, other
+
+
+def agent_metrics(result: CrossPlay, agent: str) -> dict[str, float]:
+    """Cooperation metrics of ``agent`` (algorithms.md 8.4) over all its games, in either seat: its mean
+    points and its partners', each per-role metric ``key/<role>`` of the seats it played (cooperation or
+    honesty rate) as ``key``, and the game metrics (mutual cooperation, collective payoff, split
+    efficiency) averaged over its games, a self-play game counted once."""
+    roles = env_class(result.env).roles
+    own: dict[str, list[float]] = {"points": [], "partner_points": []}
+    game: dict[str, list[float]] = {}
+    per_role: set[str] = set()
+    for pair, episodes in result.games.items():
+        seats = [seat for seat, name in enumerate(pair) if name == agent]
+        for ep in episodes if seats else []:
+            for key, value in ep.metrics.items():
+                metric, _, suffix = key.rpartition("/")
+                if metric and suffix in roles:
+                    per_role.add(metric)
+                else:
+                    game.setdefault(key, []).append(value)
+            for seat in seats:
+                role, partner = ep.seats[seat].name, ep.seats[1 - seat].name
+                own["points"].append(ep.result.roles[role].points)
+                own["partner_points"].append(ep.result.roles[partner].points)
+                for key, value in ep.metrics.items():
+                    metric, _, suffix = key.rpartition("/")
+                    if metric and suffix == role:
+                        own.setdefault(metric, []).append(value)
+    # A game metric that also exists per role (Trust-and-Split's honesty rate) pools both seats, so it
+    # would credit the agent with its partners' behaviour; only the agent's own seats count.
+    pooled = {key: v for key, v in game.items() if key not in per_role}
+    return {key: sum(v) / len(v) for key, v in {**own, **pooled}.items()}
+
+
+@dataclass
+class CrossPlayReport:
+    """The game-theoretic summary of a cross-play (algorithms.md 8.2, 8.4).
+
+    ``outcome`` is M: a's mean normalised outcome against b over both seat orders (a first in cell
+    (a, b), second in cell (b, a); the diagonal is self-play, both seats); ``welfare`` is W, the mean
+    normalised collective payoff of the same games (None where the game reports none); ``points[a][b]``
+    is the mean raw points per role of cell (a, b), a in the first seat. ``episodes`` counts games per
+    cell, so off-diagonal entries of M and W pool twice as many."""
+
+    env: str
+    agents: list[str]
+    episodes: int
+    outcome: Matrix
+    welfare: Matrix | None
+    points: dict[str, dict[str, dict[str, float]]]
+    ratings: Ratings
+    cooperation: dict[str, dict[str, float]]
+    strategies: dict[str, StrategyFit] | None
+
+    def to_json(self) -> dict[str, object]:
+        def means(matrix: Matrix) -> dict[str, dict[str, float]]:
+            return {a: {b: m for b, (m, _) in row.items()} for a, row in matrix.items()}
+
+        def errors(matrix: Matrix) -> dict[str, dict[str, float]]:
+            return {a: {b: se for b, (_, se) in row.items()} for a, row in matrix.items()}
+
+        return {
+            "env": self.env,
+            "agents": self.agents,
+            "episodes": self.episodes,
+            "M": means(self.outcome),
+            "M_se": errors(self.outcome),
+            "W": means(self.welfare) if self.welfare else None,
+            "W_se": errors(self.welfare) if self.welfare else None,
+            "points": self.points,
+            "ratings": self.ratings.to_json(),
+            "cooperation": self.cooperation,
+            "strategies": {a: fit.to_json() for a, fit in self.strategies.items()} if self.strategies else None,
+        }
+
+
+def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport:
+    """M, W, per-seat points, ratings anchored on ``anchor`` (when in the line-up), cooperation metrics
+    and, in the prisoner's dilemma, each agent's closest classic strategy."""
+    agents = result.agents
+
+    def matrix(value: Callable[[Episode, list[int]], float]) -> Matrix:
+        return {
+            a: {b: mean_se([value(ep, seats) for ep, seats in result.meetings(a, b)]) for b in agents} for a in agents
+        }
+
+    def outcome(ep: Episode, seats: list[int]) -> float:
+        return sum(ep.result.roles[ep.seats[s].name].outcome for s in seats) / len(seats)
+
+    has_welfare = all(WELFARE in ep.metrics for ep in result.episodes)
+    games = []
+    for (a, b), episodes in result.games.items():
+        for ep in episodes:
+            first, second = (ep.result.roles[seat.name].points for seat in ep.seats)
+            games.append((a, b, 1.0 if first > second else 0.5 if first == second else 0.0))
+    strategies = None
+    if result.env == "ipd":
+        strategies = {a: fit_ipd_strategy(ipd_moves(ep, seat) for ep, seat in result.seats_of(a)) for a in agents}
+    return CrossPlayReport(
+        env=result.env,
+        agents=agents,
+        episodes=len(result.games[(agents[0], agents[0])]),
+        outcome=matrix(outcome),
+        welfare=matrix(lambda ep, seats: ep.metrics[WELFARE]) if has_welfare else None,
+        points={a: {b: {r: m for r, (m, _) in result.cells[(a, b)].points.items()} for b in agents} for a in agents},
+        ratings=bradley_terry(agents, games, anchor=anchor),
+        cooperation={a: agent_metrics(result, a) for a in agents},
+        strategies=strategies,
+    )
 
 
 @dataclass
@@ -233,6 +583,15 @@ class SeatScores:
     @property
     def invalid_rate(self) -> float:
         return self.invalid / self.turns if self.turns else 0.0
+
+
+def partner_outcome(result: Evaluation) -> tuple[float, float]:
+    """Mean outcome (and standard error) of the opponent's seats in an evaluation against an opponent."""
+    if result.opponent == "self":
+        raise RepertoryError("a self-play evaluation has no partner")
+    cls = env_class(result.env)
+    scores = seat_scores(result.played, lambda i, s: s != agent_seat(cls, i))
+    return mean_se([x for v in scores.outcomes.values() for x in v])
 
 
 def agent_seat(env: type[Env], episode_index: int) -> int:

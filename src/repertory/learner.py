@@ -92,6 +92,19 @@ class Batch:
             values = None
             if self.values:
                 values = [self.values[i].tolist() if s.trained else [] for i, s in zip(ref.samples, samples)]
+            rounds = ref.episode.result.info.get("round_points")
+            opponent = [s for s in ref.episode.seats if s.seat_id != ref.seat_id]
+            turns = ref.episode.trajectory(ref.seat_id)
+            round_fields = {}
+            if rounds is not None and len(opponent) == 1:
+                round_fields = {
+                    "group_id": ref.episode.group_id,
+                    "seat_id": ref.seat_id,
+                    "turn_rounds": [t.game_round - 1 for t in turns],
+                    "round_points": rounds[seat.name],
+                    "opponent_seat_id": opponent[0].seat_id,
+                    "opponent_round_points": rounds[opponent[0].name],
+                }
             out.append(
                 algos.TrajectoryInput(
                     env=ref.episode.env,
@@ -100,9 +113,10 @@ class Batch:
                     role=seat.role,
                     episode_index=ref.episode_index,
                     seat_index=ref.seat_index,
-                    rewards=[t.reward for t in ref.episode.trajectory(ref.seat_id)],
+                    rewards=[t.reward for t in turns],
                     lengths=[s.n_tokens for s in samples],
                     values=values,
+                    **round_fields,
                 )
             )
         return out
@@ -363,11 +377,15 @@ class Learner:
             ref = torch.cat([batch.logp_ref[i] for i in idx])
             adv = torch.cat([advantages[i] for i in idx]).to(self.device, logp.dtype)
             ent = torch.cat([scored.entropy[i] for i in idx])
+            kl = algos.kl_penalty(logp, ref, algo.kl_estimator)
             if algo.policy_loss == "ppo":
                 l_pg, clipped = algos.policy_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+            elif algo.policy_loss == "tis":
+                l_pg, is_weights = algos.truncated_is_loss(logp, old, adv, algo.is_cap)
+                clipped = (is_weights >= algo.is_cap).to(logp.dtype)
+                kl = is_weights * kl
             else:
                 l_pg, clipped = algos.reinforce_loss(logp, adv), torch.zeros_like(logp)
-            kl = algos.kl_penalty(logp, ref, algo.kl_estimator)
             loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()
             if algo.kl_mode == "loss":
                 loss = loss + algo.beta_kl * (w * kl).sum()

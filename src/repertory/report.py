@@ -1,4 +1,4 @@
-"""Learning-curve figures of a run, drawn from its metrics.jsonl into ``report/``."""
+"""Figures: learning curves of a run, drawn from its metrics.jsonl into ``report/``, and cross-play heat maps."""
 
 from __future__ import annotations
 
@@ -90,3 +90,31 @@ def write_report(run_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def write_matrix_figure(
+    path: str | Path, title: str, agents: list[str], panels: dict[str, dict[str, dict[str, float]]]
+) -> Path:
+    """Heat maps side by side under ``title``, one per titled matrix ``panel[row][column]`` of shares in
+    [0, 1] over ``agents``, values printed in the cells; returns the file written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = 1.0 + 0.9 * len(agents)
+    fig, axes = plt.subplots(1, len(panels), figsize=(size * len(panels) + 1.5, size + 1.0), squeeze=False)
+    for ax, (title, matrix) in zip(axes[0], panels.items()):
+        values = [[matrix[a][b] for b in agents] for a in agents]
+        image = ax.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0)
+        for i, row in enumerate(values):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black")
+        ax.set_xticks(range(len(agents)), agents, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(len(agents)), agents, fontsize=8)
+        ax.set_xlabel("column agent")
+        ax.set_ylabel("row agent")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

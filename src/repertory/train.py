@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import agent_seat, evaluate, mean_metrics, seat_scores
+from repertory.eval import agent_seat, evaluate, mean_metrics, mean_se, partner_outcome, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -60,6 +60,88 @@ class _AdaptersOff:
     def act(self, requests):
         with self.peft.disable_adapter():
             return self.agent.act(requests)
+
+
+class _AdapterAgent:
+    """A frozen snapshot as an agent: the live model with another LoRA adapter active while it answers."""
+
+    def __init__(self, agent: LMAgent, peft: Any, adapter: str):
+        self.agent, self.peft, self.adapter = agent, peft, adapter
+        self.name, self.policy_id = agent.name, agent.policy_id
+
+    def act(self, requests):
+        self.peft.set_adapter(self.adapter, inference_mode=True)
+        try:
+            return self.agent.act(requests)
+        finally:
+            self.peft.set_adapter(LIVE_ADAPTER)
+
+
+LIVE_ADAPTER = "default"
+
+
+class OpponentPool:
+    """Snapshots of the live adapter (algorithms.md 7.5), kept as files in the run directory and loaded
+    as named adapters into the policy model for the iterations that serve them."""
+
+    def __init__(self, trainer: Trainer):
+        if trainer.learner.peft is None:
+            raise RepertoryError("rollout.opponent 'pool' serves LoRA snapshots; set model.lora.enabled: true")
+        self.trainer = trainer
+        self.config = trainer.config.pool
+        self.directory = trainer.run_dir / "snapshots"
+        self.loaded: dict[int, _AdapterAgent] = {}
+
+    def snapshots(self) -> list[int]:
+        """Iterations whose snapshot is on disk, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(f.stem) for f in self.directory.glob("*.safetensors") if f.stem.isdigit())
+
+    def take(self, iteration: int) -> None:
+        """Save the live adapter as snapshot ``iteration`` (atomically; rewriting it is harmless)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tensors = get_peft_model_state_dict(self.trainer.learner.peft, adapter_name=LIVE_ADAPTER)
+        tmp = self.directory / f".tmp-{iteration:06d}-{os.getpid()}"
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, self.directory / f"{iteration:06d}.safetensors")
+
+    def serve(self, iteration: int) -> list[_AdapterAgent]:
+        """The snapshots served this iteration (a random subset of at most ``max_served``), loaded as adapters."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        available = [i for i in self.snapshots() if i <= iteration]
+        rng = random.Random(derive(self.trainer.config.seed, iteration, "opponent", "served"))
+        served = sorted(rng.sample(available, min(self.config.max_served, len(available))))
+        peft = self.trainer.learner.peft
+        for old in [i for i in self.loaded if i not in served]:
+            peft.delete_adapter(self.loaded.pop(old).adapter)
+        for snap in served:
+            if snap in self.loaded:
+                continue
+            name = f"snapshot-{snap}"
+            peft.add_adapter(name, peft.peft_config[LIVE_ADAPTER])
+            set_peft_model_state_dict(
+                peft, load_file(str(self.directory / f"{snap:06d}.safetensors")), adapter_name=name
+            )
+            peft.set_adapter(LIVE_ADAPTER)
+            live = self.trainer.live
+            agent = LMAgent(
+                live.backend, f"snapshot@{snap}", live.params, live.constrained, live.seed, f"snapshot@{snap}"
+            )
+            self.loaded[snap] = _AdapterAgent(agent, peft, name)
+        return [self.loaded[i] for i in served]
+
+    def draw(self, served: list[_AdapterAgent], iteration: int, match: int) -> Agent:
+        """Match ``match``'s opponent: a random served snapshot with probability p_snapshot, else the live policy."""
+        rng = random.Random(derive(self.trainer.config.seed, iteration, match, "opponent"))
+        if served and rng.random() < self.config.p_snapshot:
+            return served[rng.randrange(len(served))]
+        return self.trainer.live
 
 
 class Trainer:
@@ -86,7 +168,10 @@ class Trainer:
         sampler_seed = derive(config.seed, "sampler")
         self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
         self.opponent = self._agent(config.rollout.opponent)
+        self.pool = OpponentPool(self) if config.rollout.opponent == "pool" else None
         eval_spec = config.eval.opponent or config.rollout.opponent
+        if eval_spec == "pool":
+            eval_spec = "self"
         if eval_spec == "self" and config.eval.opponent is None and self.env.fixed_seat:
             eval_spec = self.env.default_partner  # negotiations are measured against their partner
         self.eval_opponent = self._agent(eval_spec)
@@ -95,7 +180,7 @@ class Trainer:
         self.estimator_state: dict[str, Any] = {}
 
     def _agent(self, spec: str) -> Agent | None:
-        if spec == "self":
+        if spec in ("self", "pool"):
             return None
         if spec == "base":
             if self.learner.peft is not None:
@@ -120,19 +205,29 @@ class Trainer:
     # rollout
 
     def specs(self, iteration: int) -> list[EpisodeSpec]:
-        """The iteration's episodes: kernels drawn by (seed, iteration), groups of episodes per kernel."""
+        """The iteration's episodes: kernels drawn by (seed, iteration); each kernel's crn group of
+        ``episodes_per_kernel`` episodes shares its environment seed."""
         rollout = self.config.rollout
         rng = random.Random(derive(self.config.seed, iteration, "kernels", rollout.env))
-        n, pool = rollout.kernels_per_iteration, len(self.kernels)
-        picks = [rng.sample(range(pool), min(n - start, pool)) for start in range(0, n, pool)]
+        n, n_kernels = rollout.kernels_per_iteration, len(self.kernels)
+        picks = [rng.sample(range(n_kernels), min(n - start, n_kernels)) for start in range(0, n, n_kernels)]
         kernels = [self.kernels[k] for chunk in picks for k in chunk]
         n_seats = len(self.env.roles)
+        served = []
+        if self.pool is not None:
+            served = self.pool.serve(iteration)
         specs = []
         for g, kernel in enumerate(kernels):
             for _ in range(rollout.episodes_per_kernel):
                 i = len(specs)
-                if self.opponent is None:
-                    agents: list[Agent] = [self.live] * n_seats
+                if self.pool is not None:
+                    live_seat = g % n_seats  # 7.5: the trained seat alternates between crn groups
+                    opponent = self.pool.draw(served, iteration, i)
+                    agents: list[Agent] = [self.live if s == live_seat else opponent for s in range(n_seats)]
+                    trainable = [s == live_seat for s in range(n_seats)]
+                    guarded = guarded_seats(self.env, agents, live_seat)
+                elif self.opponent is None:
+                    agents = [self.live] * n_seats
                     trainable = [True] * n_seats
                     guarded = []
                 else:
@@ -145,7 +240,7 @@ class Trainer:
                         episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",
                         env=rollout.env,
                         kernel=kernel,
-                        episode_seed=derive(self.config.seed, iteration, i, "env"),
+                        episode_seed=derive(self.config.seed, iteration, g, "env"),
                         agents=agents,
                         group_id=f"{kernel.id}/{iteration}/{g}",
                         iteration=iteration,
@@ -163,6 +258,8 @@ class Trainer:
         line: dict[str, Any] = {"iteration": iteration}
         if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
             line.update(self.evaluate(iteration))
+        if self.pool is not None and iteration % config.pool.snapshot_every == 0:
+            self.pool.take(iteration)
         start = time.perf_counter()
         generated_before = self.backend.stats.generated_tokens
         episodes = run_episodes(self.specs(iteration), config.rollout.max_concurrent)
@@ -170,6 +267,11 @@ class Trainer:
         generated = self.backend.stats.generated_tokens - generated_before
         write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
         line.update(_rollout_metrics(episodes))
+        if self.pool is not None:
+            line["pool/snapshots"] = len(self.pool.snapshots())
+            line["pool/snapshot_matches"] = sum(
+                any(s.policy_id.startswith("snapshot@") for s in ep.seats) for ep in episodes
+            ) / len(episodes)
 
         start = time.perf_counter()
         batch = collect(episodes, algo.packing, algo.mask_truncated)
@@ -445,3 +547,139 @@ def frozen_policy_agent(
     checkpoint, config = resolve_checkpoint(path)
     loaded = load_policy(checkpoint, config, device)
     return LMAgent(HFBackend(loaded), f"model:{path}", params, constrained, seed, f"snapshot@{int(checkpoint.name)}")
+
+
+# Exploitability (algorithms.md 8.3)
+
+
+def exploit_gain_loss(
+    exploiter_before: float, exploiter_after: float, victim_before: float, victim_after: float
+) -> tuple[float, float]:
+    """(exploiter gain, victim loss) of one exploiter: J_E(E_N vs V) - J_E(E_0 vs V), J_V(V vs E_0) - J_V(V vs E_N)."""
+    return exploiter_after - exploiter_before, victim_before - victim_after
+
+
+@dataclass
+class ExploitRun:
+    """One exploiter seed: held-out outcomes of exploiter and victim before and after training."""
+
+    seed: int
+    run_dir: str
+    exploiter_before: float
+    exploiter_after: float
+    victim_before: float
+    victim_after: float
+
+    @property
+    def gain(self) -> float:
+        return exploit_gain_loss(self.exploiter_before, self.exploiter_after, self.victim_before, self.victim_after)[0]
+
+    @property
+    def loss(self) -> float:
+        return exploit_gain_loss(self.exploiter_before, self.exploiter_after, self.victim_before, self.victim_after)[1]
+
+
+@dataclass
+class Exploitability:
+    """Approximate exploitability of a frozen victim at a training budget: gain and loss over exploiter seeds."""
+
+    env: str
+    victim: str
+    iterations: int
+    episodes: int
+    runs: list[ExploitRun]
+    victim_selfplay: tuple[float, float]
+
+    @property
+    def gain(self) -> tuple[float, float]:
+        return mean_se([r.gain for r in self.runs])
+
+    @property
+    def loss(self) -> tuple[float, float]:
+        return mean_se([r.loss for r in self.runs])
+
+    @property
+    def exploitable(self) -> bool:
+        """Whether the gain is significantly positive (mean above 1.96 standard errors)."""
+        mean, se = self.gain
+        return mean > 1.96 * se if len(self.runs) > 1 else mean > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env": self.env,
+            "victim": self.victim,
+            "iterations": self.iterations,
+            "episodes": self.episodes,
+            "runs": [{**asdict(r), "gain": r.gain, "loss": r.loss} for r in self.runs],
+            "gain": self.gain[0],
+            "gain_se": self.gain[1],
+            "loss": self.loss[0],
+            "loss_se": self.loss[1],
+            "victim_selfplay": self.victim_selfplay[0],
+            "victim_selfplay_se": self.victim_selfplay[1],
+            "exploitable": self.exploitable,
+        }
+
+
+def victim_spec(victim: str) -> str:
+    """The rollout.opponent naming a victim: a run or checkpoint directory becomes model:PATH."""
+    return f"model:{victim}" if is_run_or_checkpoint(victim) else victim
+
+
+def exploitability(
+    env: str,
+    victim: str,
+    iterations: int,
+    seeds: list[int],
+    episodes: int,
+    output_dir: Path,
+    overrides: list[str] | None = None,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> Exploitability:
+    """Train a fresh naive exploiter (new LoRA on the base model) against the frozen ``victim`` for
+    ``iterations`` per seed and evaluate both on held-out kernels before and after (8.3). The recipe is
+    ``naive-ENV`` where one is shipped; ``overrides`` (key=value) shrink or change it, but the estimator,
+    the opponent, the budget and the seed are the exploit's."""
+    from repertory.config import recipe_names
+
+    if iterations < 1 or episodes < 1 or not seeds:
+        raise RepertoryError("exploitability needs at least 1 iteration, 1 evaluation episode and 1 seed")
+    recipe = f"naive-{env}" if f"naive-{env}" in recipe_names() else None
+    runs, trainer = [], None
+    for seed in seeds:
+        config = load_config(
+            recipe,
+            [
+                *(overrides or []),
+                f"rollout.env={env}",
+                f"rollout.opponent={victim_spec(victim)}",
+                "algo.estimator=naive",
+                f"iterations={iterations}",
+                f"seed={seed}",
+                "eval.episodes=0",
+                f"output_dir={output_dir}",
+                f"name=exploiter-seed{seed}",
+            ],
+        )
+        trainer = start_run(config, loaded() if loaded is not None else None)
+        if trainer.opponent is None:
+            raise RepertoryError(f"victim {victim!r} is not a frozen policy or bot")
+        eval_seed = derive(0, "exploit", "eval")
+        before = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        trainer.backend.clear_prefixes()
+        trainer.fit(on_line)
+        after = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        runs.append(
+            ExploitRun(
+                seed,
+                str(trainer.run_dir),
+                before.overall[0],
+                after.overall[0],
+                partner_outcome(before)[0],
+                partner_outcome(after)[0],
+            )
+        )
+    assert trainer is not None and trainer.opponent is not None
+    selfplay = evaluate(env, trainer.opponent, episodes, derive(0, "exploit", "eval"), "heldout")
+    return Exploitability(env, victim, iterations, episodes, runs, selfplay.overall)

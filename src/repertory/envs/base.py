@@ -285,6 +285,12 @@ class RoundGame(Env):
     def outcome(self, role: str) -> float:
         return float(self.points[role] / self._z(role))
 
+    def result(self) -> Result:
+        """The episode's result; ``info["round_points"]`` holds each role's raw points per round."""
+        result = super().result()
+        result.info["round_points"] = {r: [float(h["points"][r]) for h in self.history] for r in self.roles}
+        return result
+
     def _close_round(
         self,
         parsed: dict[str, Parsed],
