@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from repertory import algos
 from repertory.algos import EstimatorParams, TrajectoryInput
@@ -15,7 +16,7 @@ from repertory.cli import main
 from repertory.config import load_config
 from repertory.learner import collect
 from repertory.models import load_tokenizer, tiny_model
-from repertory.train import exploit_gain_loss, start_run
+from repertory.train import TIMING_PREFIXES, complete_checkpoints, exploit_gain_loss, resume_run, start_run
 from repertory.types import RepertoryError
 
 AA1 = EstimatorParams(round_gamma=0.96, aa_gamma=0.96, aa_beta=2.0, reward_constant=100.0)
@@ -260,6 +261,39 @@ def test_opponent_pool_snapshots_alternating_seats_and_adapter_switching(tmp_pat
     assert trainer.learner.peft.active_adapter == "default"
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, tokenizer):
+    extra = ("rollout.opponent=pool", "pool.snapshot_every=1", "pool.p_snapshot=0.5", "iterations=3")
+    straight = start_run(_aa_config(tmp_path, "straight", *extra), tiny_model(tokenizer, seed=2))
+    straight.fit()
+    interrupted = start_run(_aa_config(tmp_path, "interrupted", *extra), tiny_model(tokenizer, seed=2))
+
+    def stop_after_two(line):
+        if line["iteration"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        interrupted.fit(stop_after_two)
+    resumed = resume_run(interrupted.run_dir, loaded=tiny_model(tokenizer, seed=2))
+    assert resumed.iteration == 2
+    resumed.fit()
+
+    def lines(run_dir):
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(TIMING_PREFIXES)}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    assert lines(interrupted.run_dir) == lines(straight.run_dir)
+    assert lines(straight.run_dir)[2]["pool/snapshots"] == 3
+    a = load_file(str(complete_checkpoints(straight.run_dir)[-1] / "policy" / "adapter_model.safetensors"))
+    b = load_file(str(complete_checkpoints(interrupted.run_dir)[-1] / "policy" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
 def test_a_snapshot_answers_with_its_own_weights(tmp_path, tokenizer):
     from repertory.agents import Request
     from repertory.types import Message
@@ -340,3 +374,32 @@ def test_exploit_command_errors(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _cooperation(line):
+    return (line["env/cooperation_rate/Alice"] + line["env/cooperation_rate/Bob"]) / 2
+
+
+@pytest.mark.slow
+def test_naive_self_play_drifts_to_defection_while_adalign_keeps_cooperating(tmp_path, tokenizer):
+    # The same tiny model, seeds and budget; both seats live and trained (no pool: snapshots need LoRA, and
+    # LoRA on a random 64-wide model barely moves the A/B logits, see test_train). Only the credit differs.
+    rates = {}
+    for estimator in ("naive", "adalign"):
+        config = _aa_config(
+            tmp_path,
+            estimator,
+            f"algo.estimator={estimator}",
+            "algo.aa_beta=2",
+            "algo.beta_kl=0",
+            "algo.lr=3e-3",
+            "model.lora.enabled=false",
+            "iterations=6",
+            "rollout.kernels_per_iteration=8",
+        )
+        lines = []
+        start_run(config, tiny_model(tokenizer, seed=0)).fit(lines.append)
+        rates[estimator] = [_cooperation(line) for line in lines]
+    assert rates["naive"][0] == rates["adalign"][0]  # the same first rollout
+    assert rates["naive"][-1] < rates["naive"][0] - 0.3
+    assert rates["adalign"][-1] > rates["naive"][-1] + 0.2

@@ -140,8 +140,10 @@ def crossplay(
     seed: int,
     split: str = "heldout",
     on_episode: Callable[[Episode], None] | None = None,
+    max_concurrent: int = 64,
 ) -> CrossPlay:
-    """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each."""
+    """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each, at most
+    ``max_concurrent`` games at once so that every running seat's chat stays in the prefix cache."""
     cls = env_class(env)
     if len(cls.roles) != 2:
         raise RepertoryError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
@@ -153,7 +155,7 @@ def crossplay(
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
             spec.guarded = guarded_seats(cls, spec.agents, trained)
             specs.append(spec)
-    played = run_episodes(specs, on_episode=on_episode)
+    played = run_episodes(specs, max_concurrent=max_concurrent, on_episode=on_episode)
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
     cells = {pair: summarize(cell) for pair, cell in games.items()}
     return CrossPlay(env, list(agents), cells, played, games)

@@ -124,7 +124,10 @@ class OpponentPool:
             if snap in self.loaded:
                 continue
             name = f"snapshot-{snap}"
-            peft.add_adapter(name, peft.peft_config[LIVE_ADAPTER])
+            # A new adapter draws its initial weights (overwritten below) from the global RNG; forking keeps
+            # a resumed run, which loads every snapshot at once, on the same random stream as a straight one.
+            with torch.random.fork_rng(devices=[]):
+                peft.add_adapter(name, peft.peft_config[LIVE_ADAPTER])
             set_peft_model_state_dict(
                 peft, load_file(str(self.directory / f"{snap:06d}.safetensors")), adapter_name=name
             )
