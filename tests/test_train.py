@@ -79,7 +79,7 @@ def test_set_overrides_nested_keys_with_yaml_values():
     [
         ("algo.bogus=1", "algo.bogus: unknown key; allowed here: estimator, gamma_turn"),
         ("rollout.envv=ipd", "rollout.envv: unknown key; allowed here: env, opponent"),
-        ("algo.estimator=ppo2", "algo.estimator: unknown estimator 'ppo2'; allowed: gae, grpo, omar"),
+        ("algo.estimator=ppo2", "algo.estimator: unknown estimator 'ppo2'; allowed: adalign, gae, grpo, naive, omar"),
         ("algo.aggregation=mean", "algo.aggregation: Input should be 'token-mean', 'seq-mean-token-mean'"),
         ("iterations=0", "iterations: Input should be greater than or equal to 1"),
         ("algo.lr=fast", "algo.lr: Input should be a valid number"),
