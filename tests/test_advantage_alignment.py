@@ -52,7 +52,7 @@ def _credits(name, batch, params=AA1):
 
 
 def test_aa1_returns_baselines_and_credits():
-    assert algos._discounted_returns([0.5, 0.1, 1.0], 0.96) == pytest.approx([1.5176, 1.06, 1.0], abs=1e-4)
+    assert algos.discounted_returns([0.5, 0.1, 1.0], 0.96) == pytest.approx([1.5176, 1.06, 1.0], abs=1e-4)
     metrics: dict[str, float] = {}
     (a1_g1, a2_g1), (a1_g2, a2_g2) = algos._round_advantages(_aa1_batch(), AA1, metrics)
     assert a1_g1 == pytest.approx([0.5178, 0.3050, 0.5000], abs=1e-4)

@@ -1,20 +1,23 @@
-"""Advantage estimators and per-token losses (algorithms.md sections 2-4 and 7).
+"""Advantage estimators and per-token losses (algorithms.md sections 2-7).
 
 Estimators turn the per-turn rewards (and, for critic estimators, per-token values) of trainable seats into
 per-token advantages. They are pure functions over plain lists of Python floats (float64 math); the only
 state they touch is the trainer-owned, JSON-serialisable ``state`` dict holding the EMA baselines. The
 losses are per-token torch functions; :func:`aggregation_weights` turns them into one scalar per
-mini-batch so that gradient accumulation over micro-batches reproduces the unsplit gradient.
+mini-batch so that gradient accumulation over micro-batches reproduces the unsplit gradient. The
+batch-online section (sections 5 and 6) holds the math of Iterative GRPO and its baselines: the Q-head
+loss, candidate advantages, the reporting metric, and the MT-SFT, MT-KTO and ArCHer pieces.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from repertory.types import RepertoryError
 
@@ -129,6 +132,23 @@ def _std(xs: list[float]) -> float:
         return 0.0
     mean = _mean(xs)
     return math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
+    """G_t = sum_{l>=t} gamma^(l-t) r_l (5.4, 7.2)."""
+    out, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        running = out[t] = rewards[t] + gamma * running
+    return out
+
+
+def group_normalise(xs: list[float]) -> list[float]:
+    """(x - mean) / (std + 1e-6) (4.2, 5.5); all zeros for fewer than two numbers or all equal ones."""
+    # Exactly 0, not the ~1e-11 a float formula can leave on equal numbers (4.1).
+    if len(xs) < 2 or all(x == xs[0] for x in xs):
+        return [0.0] * len(xs)
+    mean, scale = _mean(xs), _std(xs) + 1e-6
+    return [(x - mean) / scale for x in xs]
 
 
 def _check(traj: TrajectoryInput, needs_values: bool) -> None:
@@ -314,9 +334,10 @@ def grpo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: di
         raise RepertoryError(f"grpo_scale must be 'group' or 'none', got {params.grpo_scale!r}")
 
     def centre(returns: list[float]) -> list[float]:
+        if params.grpo_scale == "group":
+            return group_normalise(returns)
         mean = _mean(returns)
-        scale = _std(returns) + 1e-6 if params.grpo_scale == "group" else 1.0
-        return [(r - mean) / scale for r in returns]
+        return [r - mean for r in returns]
 
     return _critic_free_estimate(trajectories, params, lambda seats, metrics: _grouped(seats, params, metrics, centre))
 
@@ -390,14 +411,6 @@ def rae(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dic
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _discounted_returns(rewards: list[float], gamma: float) -> list[float]:
-    """G_t = sum_{l>=t} gamma^(l-t) r_l."""
-    out, running = [0.0] * len(rewards), 0.0
-    for t in reversed(range(len(rewards))):
-        running = out[t] = rewards[t] + gamma * running
-    return out
-
-
 def _leave_one_out(
     members: list[tuple[int, list[float]]], metrics: dict[str, float], strict: bool, key: object
 ) -> dict[int, list[float]]:
@@ -432,8 +445,8 @@ def _round_advantages(
             raise RepertoryError(f"{len(traj.turn_rounds)} turn rounds for {len(traj.lengths)} turns")
     c = params.reward_constant
     # One entry per (match, seat, side): the trained side's own returns, and its opponent's.
-    own = [_discounted_returns([p / c for p in t.round_points], params.round_gamma) for t in trajectories]
-    opp = [_discounted_returns([p / c for p in t.opponent_round_points], params.round_gamma) for t in trajectories]
+    own = [discounted_returns([p / c for p in t.round_points], params.round_gamma) for t in trajectories]
+    opp = [discounted_returns([p / c for p in t.opponent_round_points], params.round_gamma) for t in trajectories]
     matches: dict[tuple[str, str], set[int]] = {}
     for t in trajectories:
         matches.setdefault((t.env, t.group_id), set()).add(t.episode_index)
@@ -509,6 +522,169 @@ def naive(trajectories: list[TrajectoryInput], params: EstimatorParams, state: d
 def shared_reward(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
     """Shared reward (7.3): own plus opponent round advantage."""
     return _round_estimate(trajectories, params, lambda a1, a2, p: [x + y for x, y in zip(a1, a2)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batch-online RL (sections 5, 6): I-GRPO's Q-head and candidates, the metric, MT-SFT, MT-KTO, ArCHer
+# ----------------------------------------------------------------------------------------------------------
+
+# The Monte-Carlo Q targets G_t of 5.4 are discounted_returns (shared pieces) of the per-turn rewards.
+
+
+def q_uses_bce(targets: list[float]) -> bool:
+    """Whether the Q-head trains with BCE (every target in [0, 1]) rather than MSE (5.4); decide once per
+    dataset, since the warm-start bias and the meaning of the head output depend on it."""
+    return all(0.0 <= g <= 1.0 for g in targets)
+
+
+def q_head_init_bias(mean_target: float, bce: bool) -> float:
+    """Round-0 bias of the Q-head, whose weights start at 0 (5.4): logit(clip(mean G, 1e-3, 1 - 1e-3)) under
+    BCE, mean G under MSE."""
+    if not bce:
+        return mean_target
+    p = min(max(mean_target, 1e-3), 1 - 1e-3)
+    return math.log(p / (1 - p))
+
+
+def q_values(z: Tensor, bce: bool) -> Tensor:
+    """Q estimates from head outputs z (5.4): sigma(z) under BCE, z under MSE."""
+    return torch.sigmoid(z) if bce else z
+
+
+def q_loss(z: Tensor, targets: Tensor, bce: bool) -> Tensor:
+    """Q-head loss, mean over examples (5.4): BCE with soft targets on q = sigma(z), else MSE on q = z."""
+    targets = targets.to(z.dtype)
+    if not bce:
+        return F.mse_loss(z, targets)
+    if ((targets < 0) | (targets > 1)).any():
+        raise RepertoryError("BCE needs Q targets in [0, 1]; train with bce=False (MSE)")
+    # On the logits: log(sigma(z)) underflows for large |z|.
+    return F.binary_cross_entropy_with_logits(z, targets)
+
+
+def candidate_advantages(scores: list[float], valid: list[bool] | None = None) -> list[float]:
+    """Single-turn GRPO advantages of one state's N_c candidates (5.5): the Qhat scores, 0 for candidates that
+    fail the format gate (``valid`` False), normalised with :func:`group_normalise`."""
+    if valid is not None:
+        if len(valid) != len(scores):
+            raise RepertoryError(f"{len(valid)} format-gate flags for {len(scores)} candidates")
+        scores = [s if ok else 0.0 for s, ok in zip(scores, valid)]
+    return group_normalise(scores)
+
+
+def expected_discounted_return(conversations: list[tuple[float, int]], gamma: float) -> float:
+    """J = mean of gamma^T * R over held-out conversations given as (R, T), i.e. the mean G_0 (5.7)."""
+    if not conversations:
+        raise RepertoryError("no conversations to score")
+    return _mean([gamma**t * r for r, t in conversations])
+
+
+def seed_summary(scores: list[float]) -> tuple[float, float]:
+    """Mean and standard error std / sqrt(n) of per-seed scores (5.7); SE 0 for a single seed."""
+    if not scores:
+        raise RepertoryError("no seed scores to summarise")
+    return _mean(scores), _std(scores) / math.sqrt(len(scores))
+
+
+def format_mean_se(mean: float, se: float, digits: int = 2) -> str:
+    """Mean ± SE the way the I-GRPO tables print it (5.7): "0.55 ± .01", the SE without its leading zero."""
+    se_text = f"{se:.{digits}f}"
+    if se_text.startswith("0."):
+        se_text = se_text[1:]
+    return f"{mean:.{digits}f} ± {se_text}"
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """numpy.quantile's default: linear interpolation between order statistics, from the nearer one as numpy
+    does, so cutoffs match numpy to the bit."""
+    xs = sorted(xs)
+    position = (len(xs) - 1) * q
+    if position >= len(xs) - 1:
+        return xs[-1]
+    lo = math.floor(position)
+    a, b, frac = xs[lo], xs[lo + 1], position - lo
+    return b - (b - a) * (1 - frac) if frac >= 0.5 else a + (b - a) * frac
+
+
+def filtered_bc_keep(returns: list[float], q: float = 0.9) -> tuple[float, list[bool]]:
+    """MT-SFT filter over one round's conversations (6.1): the cutoff quantile(G_0, q) and, per conversation,
+    whether it is kept (G_0 >= cutoff and G_0 > 0)."""
+    if not returns:
+        raise RepertoryError("no conversations to filter")
+    if not 0.0 <= q <= 1.0:
+        raise RepertoryError(f"quantile q must be in [0, 1], got {q}")
+    cutoff = _quantile(returns, q)
+    return cutoff, [g >= cutoff and g > 0 for g in returns]
+
+
+def kto_labels(kernel_ids: list[str], returns: list[float]) -> list[bool | None]:
+    """MT-KTO label of each conversation of one round (6.2): True (desirable) if its G_0 is above the mean G_0
+    of its kernel's conversations, False (undesirable) if below, None (dropped) if equal."""
+    if len(kernel_ids) != len(returns):
+        raise RepertoryError(f"{len(kernel_ids)} kernel ids for {len(returns)} returns")
+    by_kernel: dict[str, list[float]] = {}
+    for kernel, g in zip(kernel_ids, returns):
+        by_kernel.setdefault(kernel, []).append(g)
+    means = {kernel: _mean(gs) for kernel, gs in by_kernel.items()}
+    # The tolerance absorbs the rounding of a mean of equal returns, so all-equal kernels drop every conversation.
+    return [None if abs(g - means[k]) <= 1e-12 else g > means[k] for k, g in zip(kernel_ids, returns)]
+
+
+def kto_lambdas(n_d: int, n_u: int, lambda_d: float = 1.0, lambda_u: float = 1.0) -> tuple[float, float]:
+    """KTO class weights after the once-per-round imbalance rule (6.2): a ratio lambda_D n_D / (lambda_U n_U)
+    below 1 raises lambda_D to make it 1, one above 4/3 raises lambda_U to make it 4/3; unchanged otherwise
+    or when a class is empty. With unit weights this is lambda_D = n_U / n_D, lambda_U = 0.75 n_D / n_U."""
+    if n_d == 0 or n_u == 0:
+        return lambda_d, lambda_u
+    ratio = lambda_d * n_d / (lambda_u * n_u)
+    if ratio < 1:
+        return lambda_u * n_u / n_d, lambda_u
+    if ratio > 4 / 3:
+        return lambda_d, 0.75 * lambda_d * n_d / n_u
+    return lambda_d, lambda_u
+
+
+def kto_loss(
+    r: Tensor,
+    mismatched_r: Tensor,
+    desirable: Tensor,
+    beta: float = 0.1,
+    lambda_d: float = 1.0,
+    lambda_u: float = 1.0,
+) -> Tensor:
+    """Per-sample KTO loss (6.2). ``r`` = log pi(y|x) - log pi_ref(y|x) summed over the response tokens;
+    ``mismatched_r`` = the same for the micro-batch's pairs (x_i, y_{(i-1) mod n}), whose mean clipped at 0 is
+    the detached reference point z0; ``desirable`` is a bool tensor of labels."""
+    z0 = torch.clamp(mismatched_r.detach().mean(), min=0.0)
+    loss_d = lambda_d * (1 - torch.sigmoid(beta * (r - z0)))
+    loss_u = lambda_u * (1 - torch.sigmoid(beta * (z0 - r)))
+    return torch.where(desirable, loss_d, loss_u)
+
+
+def archer_q_target(reward: Tensor, done: Tensor, v_bar: Tensor, gamma: float) -> Tensor:
+    """ArCHer critic target y_Q = r + gamma * (1 - d) * Vbar(s') of a Q head (6.4); no gradient reaches the
+    target network."""
+    return (reward + gamma * (1 - done.to(v_bar.dtype)) * v_bar).detach()
+
+
+def archer_actor_loss(q1: Tensor, q2: Tensor, v1: Tensor, v2: Tensor, seq_logp: Tensor) -> tuple[Tensor, Tensor]:
+    """ArCHer actor loss -mean_s[A * log pi(a_pi|s)] over states, with the sequence log-prob summed over the
+    tokens of a_pi, and the detached advantages A = min(Q1, Q2)(s, a_pi) - min(V1, V2)(s) (6.4)."""
+    advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).detach()
+    return -(advantages * seq_logp).mean(), advantages
+
+
+@torch.no_grad()
+def soft_update(
+    target: torch.nn.Module | Iterable[Tensor], online: torch.nn.Module | Iterable[Tensor], tau: float
+) -> None:
+    """Polyak update of a target network in place, theta_bar = (1 - tau) * theta_bar + tau * theta (6.4)."""
+    targets, onlines = (list(m.parameters()) if isinstance(m, torch.nn.Module) else list(m) for m in (target, online))
+    # lerp_ would broadcast a smaller tensor silently.
+    if [t.shape for t in targets] != [o.shape for o in onlines]:
+        raise RepertoryError("target and online parameters differ in number or shape")
+    for t, o in zip(targets, onlines):
+        t.lerp_(o, tau)
 
 
 # ----------------------------------------------------------------------------------------------------------

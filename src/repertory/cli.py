@@ -296,9 +296,13 @@ def _train_progress(trainer, quiet: bool):
     task = progress.add_task("train", total=trainer.config.iterations, completed=trainer.iteration, status="rollout...")
 
     def on_line(line: dict) -> None:
-        parts = [f"iteration {line['iteration']}", f"outcome {line['outcome']:.3f}"]
+        parts = [f"iteration {line['iteration']}"]
+        if "outcome" in line:  # a round that learns from a user's logs plays no game
+            parts.append(f"outcome {line['outcome']:.3f}")
         if "eval/outcome" in line:
             parts.append(f"held-out {line['eval/outcome']:.3f}")
+        if "q/val_spearman" in line:
+            parts.append(f"Q rank corr. {line['q/val_spearman']:.2f}")
         parts.append(f"KL {line.get('kl', 0.0):.4f}")
         progress.update(task, advance=1, status=" | ".join(parts))
         if not quiet:
@@ -329,11 +333,18 @@ def train(
         config = load_config(recipe or "default", overrides)
         trainer = start_run(config)
         c = trainer.config
-        out.print(
-            f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {c.model.name}"
-            f"{' + LoRA' if c.model.lora.enabled else ''}: {c.iterations} iterations of "
-            f"{c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel} episodes -> {trainer.run_dir}"
-        )
+        episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
+        model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
+        if c.trainer == "rounds":
+            out.print(
+                f"training {c.rounds.method} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
+                f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"
+            )
+        else:
+            out.print(
+                f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
+                f"{c.iterations} iterations of {episodes} episodes -> {trainer.run_dir}"
+            )
     on_line, progress = _train_progress(trainer, quiet)
     with progress:
         run_dir = trainer.fit(on_line)
@@ -675,6 +686,43 @@ def eval_command(
     out.print(f"invalid actions: {result.invalid_rate:.1%}")
     for key, value in result.metrics.items():
         out.print(f"{key}: {value:.3f}")
+
+
+@app.command()
+def report(
+    runs: list[Path] = typer.Argument(..., help="Run directories."),
+    table: bool = typer.Option(
+        False, "--table", help="One table of methods x environments over the runs, instead of each run's figures."
+    ),
+    checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
+    out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
+) -> None:
+    """Redraw a run's learning curves into RUN/report, or (--table) the held-out expected discounted return of
+    methods x environments, mean ± standard error over seeds (algorithms.md 5.7)."""
+    from repertory.report import results_table, write_report
+
+    if not table:
+        for run in runs:
+            if not (run / "config.yaml").is_file():
+                raise RepertoryError(f"{run} is not a run directory (no config.yaml)")
+            for path in write_report(run):
+                out.print(str(path))
+        return
+    result = results_table(runs, checkpoint)
+    seeds = {n for _, _, n in result.cells.values()}
+    grid = Table(title=f"held-out expected discounted return, {checkpoint} checkpoint, mean ± SE over seeds")
+    grid.add_column("method")
+    for env in result.envs:
+        grid.add_column(env, justify="right")
+    for method in result.methods:
+        grid.add_row(method, *(result.text(method, env) for env in result.envs))
+    out.print(grid)
+    out.print(f"seeds per cell: {', '.join(map(str, sorted(seeds)))}")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "table.md").write_text(result.markdown())
+        (out_dir / "table.csv").write_text(result.csv())
+        out.print(f"wrote {out_dir / 'table.md'} and {out_dir / 'table.csv'}")
 
 
 bench_app = typer.Typer(help="Benchmarks: ours against a naive baseline and the hardware limit, in one run.")

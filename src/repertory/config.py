@@ -172,6 +172,62 @@ class PoolConfig(_Section):
     max_served: int = Field(28, ge=1, description="Most distinct snapshots served in one iteration (random subset).")
 
 
+class QConfig(_Section):
+    """The step-level Q-function of I-GRPO (algorithms.md 5.4): a scalar head on the last hidden state of
+    [history; response], its own LoRA on a copy of the initial policy's backbone (or on another model)."""
+
+    model: str | None = Field(
+        None, description="Backbone: null = a copy of the initial policy model; else 'smollm2' or a checkpoint path."
+    )
+    lora_r: int = Field(16, ge=1, description="Rank of the Q backbone's adapter.")
+    lora_alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator of the Q backbone.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Layers of the Q backbone that get adapters (attention projections).",
+    )
+    lr: float = Field(1e-5, gt=0, description="Learning rate of the Q backbone's adapter (AdamW).")
+    head_lr: float = Field(1e-4, gt=0, description="Learning rate of the scalar head.")
+    batch_size: int = Field(16, ge=1, description="Examples per optimiser step.")
+    max_epochs: int = Field(4, ge=1, description="Most passes over the Q-train split.")
+    patience: int = Field(1, ge=1, description="Stop after this many epochs without a lower Q-val loss.")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of training kernels held out as Q-val.")
+    data: Literal["round", "all_rounds"] = Field(
+        "round", description="Fit on the round's logs only (on-policy) or on every round's so far."
+    )
+
+
+class RoundsConfig(_Section):
+    """Batch-online training (algorithms.md 5-6; ``trainer: rounds``). Each iteration is one deployment round:
+    the policy plays ``rollout.opponent`` (the partner) on ``rollout.kernels_per_iteration`` train kernels x
+    ``rollout.episodes_per_kernel`` conversations, the conversations are logged, the policy is improved offline
+    on that log with ``method`` (no game is played while improving), and evaluated on held-out kernels."""
+
+    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto"] = Field(
+        "igrpo",
+        description="igrpo (Q-function + single-turn GRPO over logged states), st-grpo (whole conversations as "
+        "GRPO samples), mt-sft (filtered behaviour cloning), mt-kto (KTO on conversation labels).",
+    )
+    gamma: float = Field(0.95, ge=0, le=1, description="Discount per agent turn of logged returns G_t.")
+    logs: str | None = Field(
+        None, description="Round 0 learns from these logged turns (Parquet, see the README) instead of deploying."
+    )
+    candidates: int = Field(8, ge=2, description="igrpo: candidates sampled per logged state (the GRPO group).")
+    states_per_step: int = Field(32, ge=1, description="igrpo: logged states per optimiser step.")
+    reference: Literal["round", "initial"] = Field(
+        "round", description="KL reference while improving: the round's policy pi_k or the initial pi_0."
+    )
+    format_gate: bool = Field(
+        True, description="igrpo: candidates the referee would reject (validate on the replayed log) score 0."
+    )
+    epochs: int | None = Field(
+        None, ge=1, description="Passes over the round's data; default: igrpo 1, st-grpo 2, mt-sft 2, mt-kto 1."
+    )
+    batch_size: int = Field(16, ge=1, description="st-grpo, mt-sft, mt-kto: logged turns per optimiser step.")
+    sft_quantile: float = Field(0.9, ge=0, le=1, description="mt-sft: keep conversations at or above this quantile.")
+    kto_beta: float = Field(0.1, gt=0, description="mt-kto: beta of the KTO value function.")
+    q: QConfig = Field(default_factory=QConfig)
+
+
 class EvalConfig(_Section):
     """Periodic held-out evaluation during training."""
 
@@ -200,6 +256,12 @@ class TrainConfig(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    trainer: Literal["online", "rounds"] = Field(
+        "online",
+        description="online: rollout and update every iteration; rounds: each iteration is a batch-online "
+        "deployment round (see the rounds section).",
+    )
+    rounds: RoundsConfig = Field(default_factory=RoundsConfig)
 
 
 RECIPES = "recipes"

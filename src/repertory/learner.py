@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from repertory import algos
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.models import LoadedModel
 from repertory.types import Episode, derive
+
+LIVE_ADAPTER = "default"
+REFERENCE_ADAPTER = "reference"
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -215,6 +219,7 @@ class Learner:
             self.reference = copy.deepcopy(base).requires_grad_(False)
             base.requires_grad_(True)
         self.model = base  # the causal LM generation runs on; LoRA layers are injected into it in place
+        self.reference_adapter: str | None = None
         self.policy_params = [p for p in base.parameters() if p.requires_grad]
         self.value: _ValueModel | None = None
         self.critic_peft = None
@@ -253,18 +258,8 @@ class Learner:
     # forward passes
 
     def _micro_batches(self, sequences: list[PackedSequence]) -> list[list[PackedSequence]]:
-        """Consecutive groups whose padded size stays within the token budget (a longer sequence goes alone)."""
-        out: list[list[PackedSequence]] = []
-        longest = 0
-        for seq in sequences:
-            grown = max(longest, len(seq.input_ids))
-            if out and grown * (len(out[-1]) + 1) <= self.algo.micro_batch_tokens:
-                out[-1].append(seq)
-                longest = grown
-            else:
-                out.append([seq])
-                longest = len(seq.input_ids)
-        return out
+        groups = token_batches([len(s.input_ids) for s in sequences], self.algo.micro_batch_tokens)
+        return [[sequences[i] for i in group] for group in groups]
 
     def _forward(
         self,
@@ -295,7 +290,13 @@ class Learner:
         ents: dict[int, torch.Tensor] = {}
         vals: dict[int, torch.Tensor] = {}
         model = self.reference if reference and self.reference is not None else self.model
-        if reference and self.peft is not None:
+        if reference and self.peft is not None and self.reference_adapter is not None:
+            self.peft.set_adapter(self.reference_adapter, inference_mode=True)
+            try:
+                hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            finally:
+                self.peft.set_adapter(LIVE_ADAPTER)
+        elif reference and self.peft is not None:
             with self.peft.disable_adapter():
                 hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         else:
@@ -316,6 +317,61 @@ class Learner:
             vals = _split(self.value.head(value_hidden.float()).squeeze(-1), owners)
         return _Scored(logp, vals, ents)
 
+    def freeze_reference(self) -> None:
+        """Make the current policy the KL reference (pi_k of a batch-online round) instead of the initial one.
+        With LoRA the reference is a frozen copy of the live adapter inside the same model."""
+        if self.peft is None:
+            assert self.reference is not None
+            self.reference.load_state_dict(self.model.state_dict())
+            return
+        if self.reference_adapter is None:
+            self.reference_adapter = REFERENCE_ADAPTER
+            with torch.random.fork_rng(devices=[]):  # the new adapter's initial draw must not move the global stream
+                self.peft.add_adapter(REFERENCE_ADAPTER, self.peft.peft_config[LIVE_ADAPTER])
+        live = get_peft_model_state_dict(self.peft, adapter_name=LIVE_ADAPTER)
+        set_peft_model_state_dict(self.peft, live, adapter_name=REFERENCE_ADAPTER)
+        self.peft.set_adapter(LIVE_ADAPTER)
+
+    def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
+        samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
+        sequences = [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
+        return samples, self._micro_batches(sequences)
+
+    @torch.no_grad()
+    def token_logps(self, pairs: list[tuple[list[int], list[int]]], reference: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference."""
+        samples, micros = self._pairs(pairs)
+        out: dict[int, torch.Tensor] = {}
+        for micro in micros:
+            out.update(self._forward(micro, samples, reference=reference).logp)
+        return [out[i] for i in range(len(pairs))]
+
+    def backward_on(
+        self,
+        pairs: list[tuple[list[int], list[int]]],
+        loss_of: Callable[[list[int], list[torch.Tensor]], torch.Tensor],
+    ) -> float:
+        """Accumulate the gradient of a loss over (prompt, response) pairs one micro-batch at a time:
+        ``loss_of(indices, token_logps)`` is a micro-batch's share of the loss (the caller normalises). Returns
+        the summed loss; call :meth:`optimizer_step` after."""
+        samples, micros = self._pairs(pairs)
+        total = 0.0
+        for micro in micros:
+            logp = self._forward(micro, samples).logp
+            indices = [index for seq in micro for index, _ in seq.spans]
+            loss = loss_of(indices, [logp[i] for i in indices])
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def optimizer_step(self) -> float:
+        """Clip the accumulated gradients per parameter group, step, and clear them; the policy's grad norm."""
+        norms = [torch.nn.utils.clip_grad_norm_(g["params"], self.algo.grad_clip) for g in self.optimizer.param_groups]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norms[0])
+
     @torch.no_grad()
     def score(self, batch: Batch) -> None:
         """Fill ``logp_old``, ``logp_ref`` and (with a critic) ``values`` for every trained sample."""
@@ -333,16 +389,19 @@ class Learner:
         batch: Batch,
         advantages: dict[int, torch.Tensor],
         returns: dict[int, torch.Tensor] | None,
-        iteration: int,
+        iteration: int | str,
+        epochs: int | None = None,
+        mini_batches: int | None = None,
     ) -> dict[str, float]:
-        """PPO (or REINFORCE) epochs over the batch; returns the loss and diagnostic means."""
+        """PPO (or REINFORCE) epochs over the batch (default ``algo.ppo_epochs`` of ``algo.mini_batches``
+        optimizer steps); returns the loss and diagnostic means."""
         algo = self.algo
         totals: dict[str, float] = {}
         steps = 0
-        for epoch in range(algo.ppo_epochs):
+        for epoch in range(epochs or algo.ppo_epochs):
             order = list(range(len(batch.sequences)))
             random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
-            n_mini = min(algo.mini_batches, len(order))
+            n_mini = min(mini_batches or algo.mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
                 stats = self._step(mini, batch, advantages, returns)
@@ -402,14 +461,12 @@ class Learner:
                 sums["kl"] += float((w * kl).sum())
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
-        # actor and critic are clipped separately, as separate optimisers would (algorithms.md 2.7)
-        norms = [torch.nn.utils.clip_grad_norm_(g["params"], algo.grad_clip) for g in self.optimizer.param_groups]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums["grad_norm"] = float(norms[0])
-        if len(norms) > 1:
-            sums["critic_grad_norm"] = float(norms[1])
+        if len(self.optimizer.param_groups) > 1:
+            # actor and critic are clipped separately, as separate optimisers would (algorithms.md 2.7)
+            sums["critic_grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[1]["params"], algo.grad_clip)
+            )
+        sums["grad_norm"] = self.optimizer_step()
         return sums
 
     # checkpoints
@@ -418,7 +475,7 @@ class Learner:
         """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``."""
         directory.mkdir(parents=True, exist_ok=True)
         if self.peft is not None:
-            self.peft.save_pretrained(str(directory / "policy"))
+            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=[LIVE_ADAPTER])
         else:
             self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
             self.tokenizer.save_pretrained(str(directory / "policy"))
@@ -451,6 +508,22 @@ class Learner:
         state = torch.load(directory / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive index groups whose padded size (longest x count) stays within ``budget`` tokens; a longer
+    sequence goes alone."""
+    out: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n)
+        if out and grown * (len(out[-1]) + 1) <= budget:
+            out[-1].append(i)
+            longest = grown
+        else:
+            out.append([i])
+            longest = n
+    return out
 
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,106 @@ def write_matrix_figure(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# The results table of batch-online runs (algorithms.md 5.7)
+
+TABLE_METRIC = "discounted_return"
+
+
+@dataclass
+class RunScores:
+    """One run's held-out expected discounted return J: of the initial policy (``base``, evaluated before the
+    first update), of the best and of the last trained checkpoint."""
+
+    run: Path
+    method: str
+    env: str
+    seed: int
+    base: float | None
+    best: float
+    last: float
+
+
+def run_scores(run_dir: str | Path) -> RunScores:
+    """Read a run's config and metrics; J of pi_k is ``eval/discounted_return`` on iteration k's line (the
+    policy before that iteration's update) or ``final/discounted_return`` after the last one."""
+    from repertory.config import load_config
+    from repertory.types import RepertoryError
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = load_config(str(run_dir / "config.yaml"))
+    curve: dict[int, float] = {}
+    for line in read_metrics(run_dir):
+        if f"eval/{TABLE_METRIC}" in line:
+            curve[int(line["iteration"])] = float(line[f"eval/{TABLE_METRIC}"])
+        if f"final/{TABLE_METRIC}" in line:
+            curve[int(line["iteration"]) + 1] = float(line[f"final/{TABLE_METRIC}"])
+    trained = {k: v for k, v in curve.items() if k >= 1}
+    if not trained:
+        raise RepertoryError(
+            f"{run_dir}: no held-out evaluation of a trained checkpoint in metrics.jsonl (train with eval.episodes > 0)"
+        )
+    method = config.rounds.method if config.trainer == "rounds" else config.algo.estimator
+    return RunScores(
+        run_dir, method, config.rollout.env, config.seed, curve.get(0), max(trained.values()), trained[max(trained)]
+    )
+
+
+@dataclass
+class ResultsTable:
+    """Methods x environments: mean and standard error over seeds, and the number of seeds, per cell;
+    the ``base`` row is the initial policy of the same runs."""
+
+    envs: list[str]
+    methods: list[str]
+    cells: dict[tuple[str, str], tuple[float, float, int]]
+    checkpoint: str
+
+    def text(self, method: str, env: str) -> str:
+        from repertory.algos import format_mean_se
+
+        cell = self.cells.get((method, env))
+        return format_mean_se(cell[0], cell[1]) if cell else "—"
+
+    def markdown(self) -> str:
+        lines = ["| method | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]
+        lines += [f"| {m} | " + " | ".join(self.text(m, e) for e in self.envs) + " |" for m in self.methods]
+        return "\n".join(lines) + "\n"
+
+    def csv(self) -> str:
+        rows = ["method,env,mean,se,seeds,checkpoint"]
+        for (method, env), (mean, se, n) in sorted(self.cells.items()):
+            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint}")
+        return "\n".join(rows) + "\n"
+
+
+def results_table(runs: list[str | Path], checkpoint: str = "best") -> ResultsTable:
+    """The paper's table from runs (5.7): per method and environment, the held-out J of each seed's best
+    (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial policies."""
+    from repertory.algos import seed_summary
+    from repertory.types import RepertoryError
+
+    if checkpoint not in ("best", "last"):
+        raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
+    scores = [run_scores(r) for r in runs]
+    seen: dict[tuple[str, str, int], Path] = {}
+    for s in scores:
+        key = (s.method, s.env, s.seed)
+        if key in seen:
+            raise RepertoryError(f"{seen[key]} and {s.run} are both {s.method} on {s.env} with seed {s.seed}")
+        seen[key] = s.run
+    per_cell: dict[tuple[str, str], list[float]] = {}
+    base: dict[tuple[str, int], float] = {}
+    for s in sorted(scores, key=lambda s: str(s.run)):
+        per_cell.setdefault((s.method, s.env), []).append(s.best if checkpoint == "best" else s.last)
+        if s.base is not None:
+            base.setdefault((s.env, s.seed), s.base)
+    for (env, _), value in sorted(base.items()):
+        per_cell.setdefault(("base", env), []).append(value)
+    cells = {key: (*seed_summary(values), len(values)) for key, values in per_cell.items()}
+    envs = sorted({env for _, env in cells})
+    methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
+    return ResultsTable(envs, methods, cells, checkpoint)

@@ -191,8 +191,12 @@ def _row_episode(row: dict[str, Any]) -> Episode:
 
 def write_episodes(path: str | Path, episodes: Iterable[Episode]) -> Path:
     """Write episodes to one Parquet file atomically: a reader never sees a partial file."""
+    return write_table(path, pa.Table.from_pylist([_episode_row(ep) for ep in episodes], schema=SCHEMA))
+
+
+def write_table(path: str | Path, table: pa.Table) -> Path:
+    """Write a table to one Parquet file atomically (temporary file, fsync, rename)."""
     path = Path(path)
-    table = pa.Table.from_pylist([_episode_row(ep) for ep in episodes], schema=SCHEMA)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -38,7 +38,7 @@ from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
 from repertory.eval import agent_seat, evaluate, mean_metrics, mean_se, partner_outcome, seat_scores
 from repertory.generation import HFBackend, SamplingParams
-from repertory.learner import Batch, Learner, collect
+from repertory.learner import LIVE_ADAPTER, Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
@@ -75,9 +75,6 @@ class _AdapterAgent:
             return self.agent.act(requests)
         finally:
             self.peft.set_adapter(LIVE_ADAPTER)
-
-
-LIVE_ADAPTER = "default"
 
 
 class OpponentPool:
@@ -161,7 +158,7 @@ class Trainer:
             config.algo,
             config.model.lora,
             config.critic,
-            needs_critic=self.estimator.needs_critic,
+            needs_critic=self.estimator.needs_critic and config.trainer == "online",
             temperature=config.rollout.temperature,
             seed=config.seed,
         )
@@ -269,7 +266,7 @@ class Trainer:
         rollout_s = time.perf_counter() - start
         generated = self.backend.stats.generated_tokens - generated_before
         write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
-        line.update(_rollout_metrics(episodes))
+        line.update(rollout_metrics(episodes))
         if self.pool is not None:
             line["pool/snapshots"] = len(self.pool.snapshots())
             line["pool/snapshot_matches"] = sum(
@@ -373,7 +370,7 @@ class Trainer:
         final = root / f"{done:06d}"
         tmp = root / f".tmp-{done:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.learner.save(tmp)
+        self.save_state(tmp)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         state = {"iterations_done": done, "estimator_state": self.estimator_state}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
@@ -386,8 +383,16 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def save_state(self, directory: Path) -> None:
+        """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``."""
+        self.learner.save(directory)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what :meth:`save_state` wrote."""
+        self.learner.load(directory)
+
     def load_checkpoint(self, path: Path) -> None:
-        self.learner.load(path)
+        self.load_state(path)
         rng = torch.load(path / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -418,7 +423,7 @@ class Trainer:
         return self.run_dir
 
 
-def _rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
+def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
     scores = seat_scores(episodes, lambda i, s: episodes[i].seats[s].trainable)
     line: dict[str, float] = {"episodes": len(episodes)}
     all_outcomes = [x for v in scores.outcomes.values() for x in v]
@@ -462,10 +467,19 @@ def new_run_dir(config: TrainConfig) -> Path:
     return path
 
 
+def trainer_class(config: TrainConfig) -> type[Trainer]:
+    """The trainer of ``config.trainer``: online iterations or batch-online rounds."""
+    if config.trainer == "rounds":
+        from repertory.rounds import RoundsTrainer
+
+        return RoundsTrainer
+    return Trainer
+
+
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
     """Create the run directory, write the resolved config, build the trainer."""
     run_dir = new_run_dir(config)
-    trainer_obj = Trainer(config, run_dir, loaded)
+    trainer_obj = trainer_class(config)(config, run_dir, loaded)
     (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     return trainer_obj
@@ -483,7 +497,7 @@ def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: Loaded
     config = load_config(str(config_path), overrides)
     if overrides:
         config_path.write_text(dump_config(config))
-    trainer_obj = Trainer(config, run_dir, loaded)
+    trainer_obj = trainer_class(config)(config, run_dir, loaded)
     checkpoints = complete_checkpoints(run_dir)
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)

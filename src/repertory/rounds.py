@@ -1,0 +1,756 @@
+"""Batch-online training (algorithms.md 5-6): deployment rounds, logged turns, the step-level Q-function,
+Iterative GRPO, and the baselines that learn from the same logs.
+
+One iteration of a ``trainer: rounds`` run is one deployment round k:
+
+1. deploy pi_k against the partner (``rollout.opponent``) on train kernels, or, in round 0, read the
+   logged turns a user brings (``rounds.logs``);
+2. store the conversations (``episodes/iter-K.parquet``) and one record per agent turn
+   (``rounds/turns-K.parquet``, 5.3) with its Monte-Carlo return G_t;
+3. improve the policy offline with ``rounds.method``: ``igrpo`` fits the Q-function on the round's
+   turns (kernel-split validation, early stopping, warm start) and runs single-turn GRPO over the logged
+   states with candidates scored by Q; ``st-grpo``, ``mt-sft`` and ``mt-kto`` learn from the logged
+   conversations directly. No game is played while improving: the partner's calls and the simulator's
+   episodes are counted and must not move;
+4. evaluate pi_{k+1} on held-out kernels (the trainer's ``eval`` section; ``eval/discounted_return`` is J).
+
+The online :class:`~repertory.train.Trainer` supplies everything else (deployment line-up, evaluation,
+checkpoints, resume, metrics, report).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from repertory import algos
+from repertory.config import QConfig, TrainConfig
+from repertory.envs import Env, make
+from repertory.generation import TokenTrie
+from repertory.learner import Batch, PackedSequence, Sample, token_batches
+from repertory.models import LoadedModel, load_model
+from repertory.rollout import run_episodes
+from repertory.store import write_episodes, write_table
+from repertory.train import Trainer, rollout_metrics
+from repertory.types import Episode, Message, RepertoryError, derive
+
+DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1}
+
+# ----------------------------------------------------------------------------------------------------------
+# Logged turns (5.3)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoggedTurn:
+    """One agent turn of a logged conversation: the state (prompt), the action (response), the
+    conversation's outcome R and the discounted return G_t from this turn on."""
+
+    episode_id: str
+    kernel_id: str
+    t: int
+    T: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    outcome: float
+    ret: float
+    round: int = 0
+    seat_id: str = "p0"
+    policy_id: str = "logged"
+    logp_sample: list[float] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    response: str = ""
+
+
+_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+TURN_SCHEMA = pa.schema(
+    [
+        ("episode_id", pa.string()),
+        ("kernel_id", pa.string()),
+        ("t", pa.int32()),
+        ("T", pa.int32()),
+        ("outcome", pa.float64()),
+        ("ret", pa.float64()),
+        ("round", pa.int32()),
+        ("seat_id", pa.string()),
+        ("policy_id", pa.string()),
+        ("messages", pa.list_(_MESSAGE)),
+        ("response", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("logp_sample", pa.list_(pa.float64())),
+    ]
+)
+REQUIRED_COLUMNS = ("episode_id", "kernel_id", "t", "outcome")
+
+
+def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> list[LoggedTurn]:
+    """The turns of every trainable seat that produced tokens, with G_t = sum_{t'>=t} gamma^(t'-t) r_t'."""
+    out = []
+    for ep in episodes:
+        for seat in ep.seats:
+            if not seat.trainable:
+                continue
+            turns = ep.trajectory(seat.seat_id)
+            returns = algos.discounted_returns([turn.reward for turn in turns], gamma)
+            outcome = ep.result.roles[seat.name].outcome
+            for t, (turn, ret) in enumerate(zip(turns, returns)):
+                if not turn.response_ids:
+                    continue
+                out.append(
+                    LoggedTurn(
+                        episode_id=ep.episode_id,
+                        kernel_id=ep.kernel_id,
+                        t=t,
+                        T=len(turns) - 1,
+                        prompt_ids=list(turn.prompt_ids),
+                        response_ids=list(turn.response_ids),
+                        outcome=outcome,
+                        ret=ret,
+                        round=round_index,
+                        seat_id=seat.seat_id,
+                        policy_id=seat.policy_id,
+                        logp_sample=list(turn.logp_sample),
+                        messages=ep.prompt_messages(seat.seat_id, turn.turn_index),
+                        response=turn.text,
+                    )
+                )
+    return out
+
+
+def write_turns(path: str | Path, turns: Iterable[LoggedTurn]) -> Path:
+    """Write logged turns to one Parquet file atomically (the schema users' own logs follow)."""
+    rows = []
+    for turn in turns:
+        row = {name: getattr(turn, name) for name in TURN_SCHEMA.names}
+        row["messages"] = [{"role": m.role, "content": m.content} for m in turn.messages]
+        rows.append(row)
+    return write_table(path, pa.Table.from_pylist(rows, schema=TURN_SCHEMA))
+
+
+def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+    """Logged turns from a Parquet file: ours, or a user's with at least ``episode_id``, ``kernel_id``, ``t``,
+    ``outcome`` and either ``prompt_ids`` + ``response_ids`` or ``messages`` + ``response`` (rendered with the
+    policy's chat template). Missing ``T`` is the episode's last t; missing ``ret`` is gamma^(T-t) * outcome."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise RepertoryError(f"{path}: no such file") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise RepertoryError(f"{path}: not a readable Parquet file ({exc})") from None
+    columns = set(table.column_names)
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    has_ids = {"prompt_ids", "response_ids"} <= columns
+    has_text = {"messages", "response"} <= columns
+    if missing or not (has_ids or has_text):
+        need = ", ".join(missing) if missing else "prompt_ids + response_ids, or messages + response"
+        raise RepertoryError(f"{path}: not a logged-turns file (missing columns: {need}); see the README's schema")
+    rows = table.to_pylist()
+    if not rows:
+        raise RepertoryError(f"{path}: no logged turns")
+    last_t: dict[str, int] = {}
+    for row in rows:
+        last_t[str(row["episode_id"])] = max(last_t.get(str(row["episode_id"]), 0), int(row["t"]))
+    out = []
+    for n, row in enumerate(rows):
+        where = f"{path}, row {n}"
+        outcome = row["outcome"]
+        if not isinstance(outcome, (int, float)) or not math.isfinite(outcome):
+            raise RepertoryError(f"{where}: outcome must be a finite number (got {outcome!r})")
+        T = int(row["T"]) if row.get("T") is not None else last_t[str(row["episode_id"])]
+        t = int(row["t"])
+        if not 0 <= t <= T:
+            raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
+        messages = [Message(m["role"], m["content"]) for m in row.get("messages") or []]
+        if has_ids and row.get("prompt_ids") and row.get("response_ids"):
+            prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
+        elif messages and row.get("response") is not None:
+            prompt, response = _render(tokenizer, messages, row["response"])
+        else:
+            raise RepertoryError(f"{where}: no prompt_ids/response_ids and no messages/response")
+        ret = row.get("ret")
+        out.append(
+            LoggedTurn(
+                episode_id=str(row["episode_id"]),
+                kernel_id=str(row["kernel_id"]),
+                t=t,
+                T=T,
+                prompt_ids=prompt,
+                response_ids=response,
+                outcome=float(outcome),
+                ret=float(ret) if ret is not None else gamma ** (T - t) * float(outcome),
+                round=int(row.get("round") or 0),
+                seat_id=row.get("seat_id") or "p0",
+                policy_id=row.get("policy_id") or "logged",
+                logp_sample=list(row.get("logp_sample") or []),
+                messages=messages,
+                response=row.get("response") or "",
+            )
+        )
+    return out
+
+
+def _render(tokenizer: Any, messages: list[Message], response: str) -> tuple[list[int], list[int]]:
+    """Prompt ids as the policy samples them (chat template, generation prompt) and the response ids
+    closed by the end-of-turn token, as a sampled response ends."""
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    response_ids = tokenizer.encode(response, add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    return prompt, response_ids + ([end] if end is not None else [tokenizer.eos_token_id])
+
+
+def kernel_split(kernel_ids: Iterable[str], val_fraction: float, seed: int) -> tuple[set[str], set[str]]:
+    """(Q-train, Q-val) kernels: every turn of a kernel on one side, the same kernels on the same side in
+    every round (the order is a hash of seed and kernel id, not of the round's data)."""
+    kernels = sorted(set(kernel_ids), key=lambda k: (derive(seed, "q-split", k), k))
+    n_val = math.ceil(val_fraction * len(kernels)) if len(kernels) > 1 else 0
+    return set(kernels[n_val:]), set(kernels[:n_val])
+
+
+def conversations(turns: list[LoggedTurn]) -> dict[str, list[LoggedTurn]]:
+    """Turns grouped by conversation, in turn order."""
+    out: dict[str, list[LoggedTurn]] = {}
+    for turn in sorted(turns, key=lambda x: (x.episode_id, x.t)):
+        out.setdefault(turn.episode_id, []).append(turn)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The step-level Q-function (5.4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class QFunction(nn.Module):
+    """Q(s, a): a scalar head on the final hidden state of the last token of [history; response], read by a
+    backbone with its own LoRA adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1]
+    (``bce``), else raw values."""
+
+    def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
+        super().__init__()
+        backbone.requires_grad_(False)
+        lora = PeftLoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=list(config.target_modules))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive(seed, "lora", "q"))
+            self.peft = get_peft_model(backbone, lora)
+        self.decoder = backbone.get_decoder()
+        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.head.to(next(backbone.parameters()).device)
+        self.pad_id = pad_id
+        self.bce = True
+
+    def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter parameters, head parameters)."""
+        return [p for p in self.decoder.parameters() if p.requires_grad], list(self.head.parameters())
+
+    def logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """z per sequence (right padding; the head reads each sequence's last real token)."""
+        device = self.head.weight.device
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+        hidden = self.decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        last = torch.tensor([len(s) - 1 for s in sequences], device=device)
+        return self.head(hidden[torch.arange(len(sequences), device=device), last].float()).squeeze(-1)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], micro_tokens: int) -> list[float]:
+        """q per sequence."""
+        out: list[float] = [0.0] * len(sequences)
+        for micro in token_batches([len(s) for s in sequences], micro_tokens):
+            z = self.logits([sequences[i] for i in micro])
+            for i, value in zip(micro, algos.q_values(z, self.bce).tolist()):
+                out[i] = value
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Adapter and head weights, and the output mode."""
+        tensors = {f"adapter.{k}": v for k, v in get_peft_model_state_dict(self.peft).items()}
+        tensors.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
+        tensors["bce"] = torch.tensor(float(self.bce))
+        return {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state`."""
+        adapter = {k.removeprefix("adapter."): v for k, v in tensors.items() if k.startswith("adapter.")}
+        set_peft_model_state_dict(self.peft, adapter)
+        self.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items() if k.startswith("head.")})
+        self.bce = bool(tensors["bce"].item())
+
+
+def _pearson(x: list[float], y: list[float]) -> float | None:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _ranks(x: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their average rank."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and x[order[end + 1]] == x[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            ranks[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def rank_correlation(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rho (Pearson on average ranks); None when either side is constant."""
+    return _pearson(_ranks(x), _ranks(y))
+
+
+@dataclass
+class QExample:
+    sequence: list[int]
+    target: float
+
+
+def q_examples(turns: list[LoggedTurn]) -> list[QExample]:
+    """[history; response] -> G_t."""
+    return [QExample(list(t.prompt_ids) + list(t.response_ids), t.ret) for t in turns]
+
+
+def fit_q(
+    q: QFunction,
+    train: list[QExample],
+    val: list[QExample],
+    config: QConfig,
+    seed: int,
+    round_index: int,
+    warm: bool,
+    micro_tokens: int,
+) -> dict[str, float]:
+    """Fit Q to Monte-Carlo returns (5.4): BCE on sigmoid outputs when every target is in [0, 1], else MSE;
+    keep the epoch (0 = the starting point) with the lowest Q-val loss, stop after ``patience`` epochs
+    without one. Without a warm start the head begins at w = 0, b = the mean target (as a logit for BCE)."""
+    if not train:
+        raise RepertoryError("the Q-function has no training turns (every logged kernel fell into Q-val)")
+    q.bce = algos.q_uses_bce([e.target for e in train + val])
+    if not warm:
+        with torch.no_grad():
+            q.head.weight.zero_()
+            q.head.bias.fill_(algos.q_head_init_bias(sum(e.target for e in train) / len(train), q.bce))
+    adapter, head = q.trainable()
+    optimizer = torch.optim.AdamW([{"params": adapter, "lr": config.lr}, {"params": head, "lr": config.head_lr}])
+
+    def loss_on(examples: list[QExample], train_step: bool) -> float:
+        total = 0.0
+        for micro in token_batches([len(e.sequence) for e in examples], micro_tokens):
+            with torch.set_grad_enabled(train_step):
+                z = q.logits([examples[i].sequence for i in micro])
+                targets = torch.tensor([examples[i].target for i in micro], dtype=z.dtype, device=z.device)
+                loss = algos.q_loss(z, targets, q.bce) * (len(micro) / len(examples))
+            if train_step:
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    selection = val or train
+    best_loss, best_epoch, best_state = loss_on(selection, False), 0, q.state()
+    train_loss, epochs = loss_on(train, False), 0
+    for epoch in range(1, config.max_epochs + 1):
+        order = list(range(len(train)))
+        random.Random(derive(seed, round_index, epoch, "q")).shuffle(order)
+        losses = []
+        for start in range(0, len(order), config.batch_size):
+            batch = [train[i] for i in order[start : start + config.batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss_on(batch, True) * len(batch))
+            torch.nn.utils.clip_grad_norm_(adapter + head, 1.0)
+            optimizer.step()
+        epochs, train_loss = epoch, sum(losses) / len(train)
+        current = loss_on(selection, False)
+        if current < best_loss:
+            best_loss, best_epoch, best_state = current, epoch, q.state()
+        elif epoch - best_epoch >= config.patience:
+            break
+    q.load(best_state)
+    metrics = {
+        "q/train_loss": train_loss,
+        "q/best_epoch": float(best_epoch),
+        "q/epochs": float(epochs),
+        "q/train_examples": float(len(train)),
+        "q/val_examples": float(len(val)),
+    }
+    if val:
+        predicted = q.score([e.sequence for e in val], micro_tokens)
+        targets = [e.target for e in val]
+        metrics["q/val_loss"] = best_loss
+        metrics["q/val_mse"] = sum((p - g) ** 2 for p, g in zip(predicted, targets)) / len(val)
+        for name, value in (
+            ("pearson", _pearson(predicted, targets)),
+            ("spearman", rank_correlation(predicted, targets)),
+        ):
+            if value is not None:
+                metrics[f"q/val_{name}"] = value
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logged states replayed by the referee (format gate, constrained candidates)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def replay(episode: Episode, seat_id: str, t: int) -> tuple[Env, str]:
+    """The environment as the seat saw it before its ``t``-th turn of a logged conversation, and the seat's
+    role: rebuilt from the kernel and seed and stepped with the logged texts. Only the referee runs; no
+    partner is asked and nothing beyond the log is played, so ``validate`` and ``action_choices`` on it are
+    the state's own."""
+    env = make(episode.env)
+    env.reset(episode.kernel, episode.episode_seed)
+    role = env.roles[int(seat_id[1:])]
+    steps: dict[int, dict[str, str]] = {}
+    for turn in episode.turns:
+        steps.setdefault(turn.global_step, {})[env.roles[int(turn.seat_id[1:])]] = turn.text
+    own = 0
+    for step in sorted(steps):
+        actions = steps[step]
+        if role in actions:
+            if own == t:
+                return env, role
+            own += 1
+        env.step(actions)
+    raise RepertoryError(f"episode {episode.episode_id} has no turn {t} of seat {seat_id}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rounds trainer
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Counting:
+    """An agent that counts its calls (the partner must not be asked while the policy improves)."""
+
+    def __init__(self, agent: Any):
+        self.agent, self.calls = agent, 0
+        self.name, self.policy_id = agent.name, agent.policy_id
+
+    def act(self, requests):
+        self.calls += 1
+        return self.agent.act(requests)
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class RoundsTrainer(Trainer):
+    """Batch-online rounds (see the module docstring); one iteration = one round."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
+        if config.rollout.opponent in ("self", "pool"):
+            raise RepertoryError(
+                f"trainer rounds deploys the policy against a partner; set rollout.opponent to a bot of "
+                f"{config.rollout.env}, base or model:PATH (got {config.rollout.opponent!r})"
+            )
+        method = config.rounds.method
+        loaded = loaded or load_model(config.model.name, config.model.device)
+        q_backbone = None
+        if method == "igrpo":
+            q_model = config.rounds.q.model
+            q_backbone = (
+                copy.deepcopy(loaded.model) if q_model is None else load_model(q_model, config.model.device).model
+            )
+        super().__init__(config, run_dir, loaded)
+        assert self.opponent is not None
+        self.partner = _Counting(self.opponent)
+        self.opponent = self.partner
+        self.q: QFunction | None = None
+        if q_backbone is not None:
+            pad = self.loaded.tokenizer.pad_token_id
+            self.q = QFunction(q_backbone, config.rounds.q, config.seed, pad if pad is not None else 0)
+        self.simulator_episodes = 0
+
+    # checkpoints: the policy, and the Q-function that the next round warm-starts from
+
+    def save_state(self, directory: Path) -> None:
+        super().save_state(directory)
+        if self.q is not None:
+            save_file(self.q.state(), str(directory / "q.safetensors"))
+
+    def load_state(self, directory: Path) -> None:
+        super().load_state(directory)
+        if self.q is not None and (directory / "q.safetensors").is_file():
+            self.q.load(load_file(str(directory / "q.safetensors")))
+
+    # one round
+
+    def turns_path(self, round_index: int) -> Path:
+        return self.run_dir / "rounds" / f"turns-{round_index:06d}.parquet"
+
+    def deploy(self, round_index: int) -> tuple[list[LoggedTurn], list[Episode]]:
+        """Round k's data: the user's logs (round 0 with ``rounds.logs``) or a deployment of pi_k."""
+        rounds = self.config.rounds
+        if round_index == 0 and rounds.logs:
+            return read_turns(rounds.logs, self.loaded.tokenizer, rounds.gamma), []
+        episodes = run_episodes(self.specs(round_index), self.config.rollout.max_concurrent)
+        self.simulator_episodes += len(episodes)
+        write_episodes(self.run_dir / "episodes" / f"iter-{round_index:06d}.parquet", episodes)
+        return logged_turns(episodes, round_index, rounds.gamma), episodes
+
+    def run_iteration(self, iteration: int) -> dict[str, Any]:
+        config, rounds = self.config, self.config.rounds
+        line: dict[str, Any] = {"iteration": iteration, "round": iteration}
+        if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
+            line.update(self.evaluate(iteration))
+        start = time.perf_counter()
+        turns, episodes = self.deploy(iteration)
+        self.backend.clear_prefixes()
+        if not turns:
+            raise RepertoryError(f"round {iteration}: no logged agent turns with tokens to learn from")
+        write_turns(self.turns_path(iteration), turns)
+        line["time/deploy_s"] = time.perf_counter() - start
+        if episodes:
+            line.update(rollout_metrics(episodes))
+        g0 = [convo[0].ret for convo in conversations(turns).values() if convo[0].t == 0]
+        line["deploy/conversations"] = float(len(conversations(turns)))
+        line["deploy/turns"] = float(len(turns))
+        if g0:
+            line["deploy/return"] = sum(g0) / len(g0)
+
+        start = time.perf_counter()
+        partner_calls, simulated = self.partner.calls, self.simulator_episodes
+        if rounds.reference == "round":
+            self.learner.freeze_reference()
+        line.update(self.improve(iteration, turns, {ep.episode_id: ep for ep in episodes}))
+        if self.partner.calls != partner_calls or self.simulator_episodes != simulated:
+            raise RuntimeError("the improvement step called the partner or the simulator")  # 5.2: must be offline
+        self.backend.clear_prefixes()
+        line["time/train_s"] = time.perf_counter() - start
+        return line
+
+    def improve(self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]) -> dict[str, float]:
+        """The round's offline policy improvement with the configured method; its metrics."""
+        method = self.config.rounds.method
+        epochs = self.config.rounds.epochs or DEFAULT_EPOCHS[method]
+        if method == "igrpo":
+            return self.improve_igrpo(round_index, turns, episodes, epochs)
+        if method == "st-grpo":
+            return self.improve_st_grpo(round_index, turns, epochs)
+        if method == "mt-sft":
+            return self.improve_mt_sft(round_index, turns, epochs)
+        return self.improve_mt_kto(round_index, turns, epochs)
+
+    def _training_turns(self, round_index: int, turns: list[LoggedTurn]) -> list[LoggedTurn]:
+        """The Q-function's data: this round's turns, or every round's so far (``q.data: all_rounds``)."""
+        if self.config.rounds.q.data == "round":
+            return turns
+        earlier = []
+        for k in range(round_index):
+            if self.turns_path(k).is_file():
+                earlier += read_turns(self.turns_path(k), self.loaded.tokenizer, self.config.rounds.gamma)
+        return earlier + turns
+
+    def improve_igrpo(
+        self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode], epochs: int
+    ) -> dict[str, float]:
+        """Fit Q on the log, then single-turn GRPO over the logged states with Q as the reward (5.4, 5.5)."""
+        assert self.q is not None
+        rounds, algo = self.config.rounds, self.config.algo
+        data = self._training_turns(round_index, turns)
+        q_train, q_val = kernel_split([t.kernel_id for t in data], rounds.q.val_fraction, self.config.seed)
+        metrics = fit_q(
+            self.q,
+            q_examples([t for t in data if t.kernel_id in q_train]),
+            q_examples([t for t in data if t.kernel_id in q_val]),
+            rounds.q,
+            self.config.seed,
+            round_index,
+            warm=round_index > 0,
+            micro_tokens=algo.micro_batch_tokens,
+        )
+        n = rounds.candidates
+        sums: dict[str, float] = {}
+        steps = gated = candidates = 0
+        rewards_all: list[float] = []
+        for epoch in range(epochs):
+            order = list(range(len(turns)))
+            random.Random(derive(self.config.seed, round_index, epoch, "igrpo")).shuffle(order)
+            for chunk in _chunks(order, rounds.states_per_step):
+                states = [turns[i] for i in chunk]
+                replayed = [
+                    replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
+                ]
+                prompts = [x.prompt_ids for x in states for _ in range(n)]
+                seeds = [
+                    derive(self.config.seed, round_index, epoch, i, c, "candidate") for i in chunk for c in range(n)
+                ]
+                constraints = [self._constraint(state) for state in replayed for _ in range(n)]
+                generations = self.backend.generate(prompts, self.live.params, seeds, constraints)
+                rewards = self.q.score(
+                    [list(p) + g.token_ids for p, g in zip(prompts, generations)], algo.micro_batch_tokens
+                )
+                valid = [True] * len(generations)
+                for j, state in enumerate(replayed):
+                    if rounds.format_gate and state is not None:  # users' logs carry no game state to check
+                        env, role = state
+                        texts = [self.backend.decode(g.token_ids) for g in generations[j * n : (j + 1) * n]]
+                        valid[j * n : (j + 1) * n] = [env.validate(role, text)[0] for text in texts]
+                gated += valid.count(False)
+                candidates += len(generations)
+                rewards_all += rewards
+                advantages = [
+                    a
+                    for j in range(len(states))
+                    for a in algos.candidate_advantages(rewards[j * n : (j + 1) * n], valid[j * n : (j + 1) * n])
+                ]
+                batch, adv = _single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
+                if not batch.sequences:
+                    continue
+                self.learner.score(batch)
+                stats = self.learner.update(batch, adv, None, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                steps += 1
+        metrics.update({key: value / steps for key, value in sums.items()} if steps else {})
+        metrics["igrpo/steps"] = float(steps)
+        metrics["igrpo/states"] = float(len(turns) * epochs)
+        metrics["igrpo/candidate_q"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
+        metrics["igrpo/gated_rate"] = gated / candidates if candidates else 0.0
+        return metrics
+
+    def _constraint(self, state: tuple[Env, str] | None) -> TokenTrie | None:
+        """Candidates are sampled as the policy was deployed: constrained to the state's valid actions where
+        ``rollout.constrained`` and the action set is finite."""
+        if state is None or not self.config.rollout.constrained:
+            return None
+        env, role = state
+        choices = env.action_choices(role)
+        return self.backend.trie(choices) if choices is not None else None
+
+    def improve_st_grpo(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
+        """ST-GRPO (6.6): each logged conversation is one sample with reward G_0, grouped by kernel."""
+        convos = conversations(turns)
+        by_kernel: dict[str, list[str]] = {}
+        for episode_id, convo in convos.items():
+            by_kernel.setdefault(convo[0].kernel_id, []).append(episode_id)
+        advantage: dict[str, float] = {}
+        for members in by_kernel.values():
+            for episode_id, a in zip(members, algos.candidate_advantages([convos[e][0].ret for e in members])):
+                advantage[episode_id] = a
+        flat = [t for convo in convos.values() for t in convo]
+        batch, adv = _single_turn_batch(
+            [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[t.episode_id] for t in flat]
+        )
+        self.learner.score(batch)
+        mini = max(1, math.ceil(len(batch.sequences) / self.config.rounds.batch_size))
+        metrics = self.learner.update(batch, adv, None, f"st-grpo/{round_index}", epochs, mini)
+        metrics["st-grpo/groups"] = float(sum(len(m) >= 2 for m in by_kernel.values()))
+        return metrics
+
+    def improve_mt_sft(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
+        """MT-SFT (6.1): token-mean NLL on the agent turns of the conversations at or above the G_0 quantile."""
+        convos = conversations(turns)
+        ids = list(convos)
+        cutoff, keep = algos.filtered_bc_keep([convos[e][0].ret for e in ids], self.config.rounds.sft_quantile)
+        kept = [t for e, k in zip(ids, keep) if k for t in convos[e]]
+        metrics = {"sft/cutoff": cutoff, "sft/kept_conversations": float(sum(keep)), "sft/kept_turns": float(len(kept))}
+        losses = []
+        for epoch in range(epochs):
+            order = list(range(len(kept)))
+            random.Random(derive(self.config.seed, round_index, epoch, "sft")).shuffle(order)
+            for chunk in _chunks(order, self.config.rounds.batch_size):
+                pairs = [(kept[i].prompt_ids, kept[i].response_ids) for i in chunk]
+                n_tokens = sum(len(r) for _, r in pairs)
+                loss = self.learner.backward_on(pairs, lambda _, logps, n=n_tokens: -torch.cat(logps).sum() / n)
+                self.learner.optimizer_step()
+                losses.append(loss)
+        if losses:
+            metrics["loss/sft"] = sum(losses) / len(losses)
+        return metrics
+
+    def improve_mt_kto(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
+        """MT-KTO (6.2): conversations above their kernel's mean G_0 are desirable, below undesirable; every
+        agent turn inherits its conversation's label; KTO against the round's reference."""
+        rounds = self.config.rounds
+        convos = conversations(turns)
+        labels = algos.kto_labels([c[0].kernel_id for c in convos.values()], [c[0].ret for c in convos.values()])
+        label_of = dict(zip(convos, labels))
+        samples = [t for e, convo in convos.items() if label_of[e] is not None for t in convo]
+        metrics: dict[str, float] = {"kto/desirable": 0.0, "kto/undesirable": 0.0}
+        if not samples:
+            metrics["kto/skipped"] = 1.0
+            return metrics
+        desirable = [bool(label_of[t.episode_id]) for t in samples]
+        n_d, n_u = sum(desirable), len(desirable) - sum(desirable)
+        lambda_d, lambda_u = algos.kto_lambdas(n_d, n_u)
+        metrics.update({"kto/desirable": float(n_d), "kto/undesirable": float(n_u), "kto/lambda_d": lambda_d})
+        metrics["kto/lambda_u"] = lambda_u
+        ref = [
+            float(x.sum()) for x in self.learner.token_logps([(t.prompt_ids, t.response_ids) for t in samples], True)
+        ]
+        losses = []
+        for epoch in range(epochs):
+            order = list(range(len(samples)))
+            random.Random(derive(self.config.seed, round_index, epoch, "kto")).shuffle(order)
+            for chunk in _chunks(order, rounds.batch_size):
+                mismatched = self._kto_mismatched([samples[i] for i in chunk])
+                n = len(chunk)
+
+                def loss_of(indices: list[int], logps: list[torch.Tensor], chunk=chunk, mismatched=mismatched, n=n):
+                    r = torch.stack([lp.sum() for lp in logps]) - torch.tensor([ref[chunk[i]] for i in indices])
+                    mask = torch.tensor([desirable[chunk[i]] for i in indices])
+                    per = algos.kto_loss(r, mismatched, mask, rounds.kto_beta, lambda_d, lambda_u)
+                    return per.sum() / n
+
+                pairs = [(samples[i].prompt_ids, samples[i].response_ids) for i in chunk]
+                losses.append(self.learner.backward_on(pairs, loss_of))
+                self.learner.optimizer_step()
+        metrics["loss/kto"] = sum(losses) / len(losses)
+        return metrics
+
+    def _kto_mismatched(self, chunk: list[LoggedTurn]) -> torch.Tensor:
+        """Implied rewards of the mismatched pairs (x_i, y_{(i-1) mod n}) whose mean is KTO's reference point;
+        a lone sample has none (z0 = 0)."""
+        if len(chunk) < 2:
+            return torch.zeros(1)
+        pairs = [(chunk[i].prompt_ids, chunk[i - 1].response_ids) for i in range(len(chunk))]
+        policy = self.learner.token_logps(pairs)
+        reference = self.learner.token_logps(pairs, reference=True)
+        return torch.tensor([float(p.sum() - r.sum()) for p, r in zip(policy, reference)])
+
+
+def _single_turn_batch(
+    prompts: list[list[int]], responses: list[list[int]], advantages: list[float]
+) -> tuple[Batch, dict[int, torch.Tensor]]:
+    """One learner sample per (prompt, response), each its own sequence, its advantage on every token."""
+    samples = [Sample(i, 0, list(p), list(r), [], bool(r)) for i, (p, r) in enumerate(zip(prompts, responses))]
+    sequences = [
+        PackedSequence(s.prompt_ids + s.response_ids, [(i, len(s.prompt_ids))])
+        for i, s in enumerate(samples)
+        if s.trained
+    ]
+    adv = {
+        i: torch.full((len(s.response_ids),), float(a))
+        for i, (s, a) in enumerate(zip(samples, advantages))
+        if s.trained
+    }
+    return Batch([], samples, sequences), adv

@@ -1,0 +1,99 @@
+"""`repertory report --table`: methods x environments from run directories (algorithms.md 5.7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from repertory.cli import main
+from repertory.config import dump_config, load_config
+from repertory.report import results_table, run_scores
+from repertory.types import RepertoryError
+
+
+def _run(root, name, method, env, seed, curve, final):
+    """A run directory whose metrics hold held-out J of pi_0..pi_{K-1} per iteration and pi_K as final/."""
+    run = root / name
+    run.mkdir(parents=True)
+    overrides = [f"rollout.env={env}", "rollout.opponent=bot", f"seed={seed}"]
+    overrides += ["trainer=rounds", f"rounds.method={method}"] if method != "omar" else []
+    (run / "config.yaml").write_text(dump_config(load_config(None, overrides)))
+    lines = [{"iteration": k, "eval/discounted_return": j} for k, j in enumerate(curve)]
+    lines[-1]["final/discounted_return"] = final
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path):
+    # Q5: per-seed best 0.55, 0.57, 0.53 -> 0.55 ± .01
+    return [
+        _run(tmp_path, "igrpo-0", "igrpo", "craigslist", 0, [0.10, 0.55, 0.40], 0.45),
+        _run(tmp_path, "igrpo-1", "igrpo", "craigslist", 1, [0.12, 0.30, 0.57], 0.50),
+        _run(tmp_path, "igrpo-2", "igrpo", "craigslist", 2, [0.08, 0.20, 0.30], 0.53),
+        _run(tmp_path, "kto-0", "mt-kto", "craigslist", 0, [0.10, 0.20], 0.25),
+        _run(tmp_path, "kto-u", "mt-kto", "ultimatum", 0, [0.00, 0.40], 0.30),
+    ]
+
+
+def test_run_scores_read_base_best_and_last(runs):
+    scores = run_scores(runs[0])
+    assert (scores.method, scores.env, scores.seed) == ("igrpo", "craigslist", 0)
+    assert (scores.base, scores.best, scores.last) == (0.10, 0.55, 0.45)
+
+
+def test_best_checkpoint_table_matches_q5(runs):
+    table = results_table(runs)
+    mean, se, n = table.cells[("igrpo", "craigslist")]
+    assert (mean, n) == (pytest.approx(0.55), 3) and se == pytest.approx(0.0115, abs=1e-4)
+    assert table.text("igrpo", "craigslist") == "0.55 ± .01"
+    assert table.cells[("base", "craigslist")][:2] == (
+        pytest.approx(0.10),
+        pytest.approx(0.02 / 3**0.5 * 1.0, abs=1e-9),
+    )
+    assert table.methods == ["base", "igrpo", "mt-kto"] and table.envs == ["craigslist", "ultimatum"]
+    assert table.text("igrpo", "ultimatum") == "—"
+    assert table.markdown().splitlines()[2] == "| base | 0.10 ± .01 | 0.00 ± .00 |"
+    assert "igrpo,craigslist,0.550000,0.011547,3,best" in table.csv()
+
+
+def test_last_checkpoint_table(runs):
+    table = results_table(runs, "last")
+    assert table.cells[("igrpo", "craigslist")][0] == pytest.approx((0.45 + 0.50 + 0.53) / 3)
+    assert table.cells[("mt-kto", "ultimatum")] == (pytest.approx(0.30), 0.0, 1)
+
+
+def test_table_errors(tmp_path, runs):
+    with pytest.raises(RepertoryError, match="not a run directory"):
+        results_table([tmp_path / "nothing"])
+    _run(tmp_path, "again", "igrpo", "craigslist", 0, [0.1, 0.2], 0.3)
+    with pytest.raises(RepertoryError, match="both igrpo on craigslist with seed 0"):
+        results_table([runs[0], tmp_path / "again"])
+    silent = _run(tmp_path, "silent", "igrpo", "casino", 0, [0.1], 0.2)
+    (silent / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "outcome": 0.5}) + "\n")
+    with pytest.raises(RepertoryError, match="no held-out evaluation of a trained checkpoint"):
+        results_table([silent])
+    with pytest.raises(RepertoryError, match="best or last"):
+        results_table(runs, "median")
+
+
+def test_report_table_command(runs, tmp_path, capsys):
+    main(["report", "--table", *map(str, runs), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert "0.55 ± .01" in printed and "mt-kto" in printed
+    assert (tmp_path / "out" / "table.md").read_text().startswith("| method | craigslist | ultimatum |")
+    assert (tmp_path / "out" / "table.csv").read_text().startswith("method,env,mean,se,seeds,checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--table", str(tmp_path / "nothing")])
+    assert exit_info.value.code == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_report_redraws_a_runs_figures(runs, capsys):
+    lines = [json.dumps({"iteration": k, "outcome": 0.1 * k, "kl": 0.01}) for k in range(3)]
+    (runs[0] / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    main(["report", str(runs[0])])
+    assert (runs[0] / "report" / "outcome.png").is_file() and (runs[0] / "report" / "kl_entropy.png").is_file()
+    assert not (runs[0] / "report" / "throughput.png").exists()  # only figures that have data
+    assert "outcome.png" in capsys.readouterr().out.replace("\n", "")

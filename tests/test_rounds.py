@@ -1,0 +1,535 @@
+"""Batch-online rounds (algorithms.md 5-6): logged turns and their returns, the kernel split, the Q-function,
+Iterative GRPO's offline improvement, the baselines' data rules, and a seeded tiny-model run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from repertory import algos
+from repertory.config import QConfig, load_config
+from repertory.envs.base import Env
+from repertory.models import load_tokenizer, tiny_model
+from repertory.rounds import (
+    LoggedTurn,
+    QExample,
+    QFunction,
+    RoundsTrainer,
+    conversations,
+    fit_q,
+    kernel_split,
+    logged_turns,
+    rank_correlation,
+    read_turns,
+    replay,
+    write_turns,
+)
+from repertory.train import resume_run, start_run
+from repertory.types import Message, RepertoryError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def _config(tmp_path, name, *extra):
+    return load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            f"name={name}",
+            "trainer=rounds",
+            "iterations=1",
+            "rollout.env=ipd",
+            "rollout.opponent=always-cooperate",
+            "rollout.constrained=true",
+            "rollout.kernels_per_iteration=2",
+            "rollout.episodes_per_kernel=2",
+            "eval.episodes=0",
+            "rounds.candidates=4",
+            "rounds.states_per_step=8",
+            "rounds.q.max_epochs=1",
+            "rounds.batch_size=8",
+            "algo.lr=1e-3",
+            *extra,
+        ],
+    )
+
+
+def _turn(episode: str, kernel: str, t: int, T: int, ret: float, outcome: float = 0.8) -> LoggedTurn:
+    return LoggedTurn(episode, kernel, t, T, [1, 2, 3], [4, 5], outcome, ret)
+
+
+# logged turns and their returns
+
+
+def test_logged_returns_equal_hand_computed_discounted_returns(play_episodes):
+    episode = play_episodes("craigslist", ["bot", "bot"])[0]
+    episode.seats[0].trainable = True
+    own = episode.trajectory("p0")
+    for k, turn in enumerate(own):
+        turn.response_ids = [10 + k, 11]
+        turn.reward = 0.0
+    own[-1].reward = 0.8
+    turns = logged_turns([episode], round_index=3, gamma=0.95)
+    T = len(own) - 1
+    assert [t.t for t in turns] == list(range(T + 1))
+    assert {t.T for t in turns} == {T}
+    # Q1 generalised: G_t = 0.95^(T - t) * 0.8 with the whole reward on the last turn
+    assert [t.ret for t in turns] == pytest.approx([0.95 ** (T - t) * 0.8 for t in range(T + 1)], abs=1e-12)
+    assert turns[-3].ret == pytest.approx(0.7220, abs=1e-4)
+    assert {t.round for t in turns} == {3} and {t.seat_id for t in turns} == {"p0"}
+    assert turns[0].messages == episode.prompt_messages("p0", 0)
+    assert turns[0].outcome == episode.result.roles[episode.seats[0].name].outcome
+
+
+def test_logged_returns_with_rewards_on_several_turns(play_episodes):
+    episode = play_episodes("ipd", ["always-cooperate", "always-defect"])[0]
+    episode.seats[1].trainable = True
+    for k, turn in enumerate(episode.trajectory("p1")):
+        turn.response_ids = [7]
+        turn.reward = 0.1 if k % 2 == 0 else 0.0
+    turns = logged_turns([episode], 0, gamma=0.5)
+    rewards = [0.1 if k % 2 == 0 else 0.0 for k in range(len(turns))]
+    expected = [sum(0.5 ** (j - t) * rewards[j] for j in range(t, len(rewards))) for t in range(len(rewards))]
+    assert [t.ret for t in turns] == pytest.approx(expected, abs=1e-12)
+
+
+def test_turns_without_tokens_and_untrained_seats_are_not_logged(play_episodes):
+    episode = play_episodes("ipd", ["always-cooperate", "always-defect"])[0]
+    assert logged_turns([episode], 0, 0.95) == []  # no trainable seat
+    episode.seats[0].trainable = True
+    assert logged_turns([episode], 0, 0.95) == []  # a scripted seat has no tokens to learn from
+
+
+def test_turns_parquet_round_trip(tmp_path, tokenizer):
+    turns = [_turn("e1", "k1", 0, 1, 0.76), _turn("e1", "k1", 1, 1, 0.8)]
+    turns[0].messages = [Message("system", "rules"), Message("user", "hi")]
+    turns[0].response, turns[0].logp_sample = "hello", [-0.5, -0.25]
+    path = write_turns(tmp_path / "turns.parquet", turns)
+    assert read_turns(path, tokenizer, 0.95) == turns
+
+
+def test_users_logs_with_text_only_are_rendered_and_get_returns(tmp_path, tokenizer):
+    rows = [
+        {"episode_id": "c1", "kernel_id": "a", "t": t, "outcome": 0.8, "messages": [{"role": "user", "content": m}]}
+        | {"response": f"reply {t}"}
+        for t, m in enumerate(["hello", "and?", "deal"])
+    ]
+    rows.append({"episode_id": "c2", "kernel_id": "b", "t": 0, "outcome": 0.0, "messages": [], "response": "x"})
+    rows[-1]["messages"] = [{"role": "user", "content": "yo"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mine.parquet")
+    turns = read_turns(tmp_path / "mine.parquet", tokenizer, 0.95)
+    assert [(t.episode_id, t.t, t.T) for t in turns] == [("c1", 0, 2), ("c1", 1, 2), ("c1", 2, 2), ("c2", 0, 0)]
+    assert [t.ret for t in turns] == pytest.approx([0.7220, 0.76, 0.8, 0.0], abs=1e-4)  # Q1
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    assert turns[0].prompt_ids == chat
+    assert tokenizer.decode(turns[0].response_ids) == "reply 0<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"episode_id": "e", "t": 0, "outcome": 1.0, "response": "x", "messages": []}], "missing columns: kernel_id"),
+        ([{"episode_id": "e", "kernel_id": "k", "t": 0, "outcome": 1.0}], r"prompt_ids \+ response_ids, or messages"),
+        (
+            [
+                {
+                    "episode_id": "e",
+                    "kernel_id": "k",
+                    "t": 0,
+                    "outcome": float("nan"),
+                    "prompt_ids": [1],
+                    "response_ids": [2],
+                }
+            ],
+            "row 0: outcome must be a finite number",
+        ),
+        (
+            [
+                {
+                    "episode_id": "e",
+                    "kernel_id": "k",
+                    "t": 3,
+                    "T": 1,
+                    "outcome": 1.0,
+                    "prompt_ids": [1],
+                    "response_ids": [2],
+                }
+            ],
+            "row 0: t = 3 is outside 0..T = 1",
+        ),
+    ],
+)
+def test_bad_logs_are_refused_with_the_reason(tmp_path, tokenizer, rows, message):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(RepertoryError, match=message):
+        read_turns(path, tokenizer, 0.95)
+
+
+def test_unreadable_logs_name_the_file(tmp_path, tokenizer):
+    with pytest.raises(RepertoryError, match="no such file"):
+        read_turns(tmp_path / "absent.parquet", tokenizer, 0.95)
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(RepertoryError, match="junk.parquet: not a readable Parquet file"):
+        read_turns(tmp_path / "junk.parquet", tokenizer, 0.95)
+
+
+# the kernel split
+
+
+def test_kernel_split_keeps_every_kernel_on_one_side_and_is_stable():
+    ids = [f"craigslist/train/{i:03d}" for i in range(100)]
+    train, val = kernel_split(ids * 4, 0.1, seed=0)
+    assert len(val) == 10 and len(train) == 90 and not train & val and train | val == set(ids)
+    assert kernel_split(list(reversed(ids)), 0.1, seed=0) == (train, val)  # not the data's order
+    assert kernel_split(ids, 0.1, seed=1) != (train, val)
+    assert kernel_split(["only"], 0.1, seed=0) == ({"only"}, set())
+
+
+def test_q_fit_never_sees_a_validation_kernel(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "split"), tiny_model(tokenizer, seed=1))
+    seen: dict[str, list[list[int]]] = {}
+
+    def spy(q, train, val, *args, **kwargs):
+        seen["train"], seen["val"] = [e.sequence for e in train], [e.sequence for e in val]
+        return {}
+
+    monkeypatch.setattr("repertory.rounds.fit_q", spy)
+    turns = [_turn(f"e{k}", f"k{k % 10}", 0, 0, 0.5) for k in range(30)]
+    for k, turn in enumerate(turns):
+        turn.response_ids = [100 + k]  # identifies the turn
+    monkeypatch.setattr(trainer.backend, "generate", lambda *a, **k: pytest.fail("generation is not under test"))
+    with pytest.raises(pytest.fail.Exception):
+        trainer.improve_igrpo(0, turns, {}, 1)
+    q_train, q_val = kernel_split([t.kernel_id for t in turns], 0.1, 0)
+    kernel_of = {100 + k: t.kernel_id for k, t in enumerate(turns)}
+    assert {kernel_of[s[-1]] for s in seen["train"]} == q_train
+    assert {kernel_of[s[-1]] for s in seen["val"]} == q_val
+
+
+# the Q-function
+
+
+def test_rank_correlation_with_ties():
+    assert rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks [1.5, 1.5, 3, 4] against [1, 2, 3, 4]
+    assert rank_correlation([5, 5, 6, 7], [1, 2, 3, 4]) == pytest.approx(0.9486833, abs=1e-6)
+    assert rank_correlation([1, 1, 1], [1, 2, 3]) is None
+
+
+def _q(tokenizer, seed=0, **overrides) -> QFunction:
+    config = QConfig(**{"lr": 1e-2, "head_lr": 1e-1, "batch_size": 8, "max_epochs": 6, **overrides})
+    return QFunction(tiny_model(tokenizer, seed=seed).model, config, seed=0, pad_id=tokenizer.pad_token_id)
+
+
+def _examples(n: int, offset: int = 0) -> list[QExample]:
+    """Responses ending in token 500 are worth 0.9, in token 600 0.1; the history varies."""
+    return [QExample([1, 2 + (k + offset) % 7, 3, 500 if k % 2 else 600, 2], 0.9 if k % 2 else 0.1) for k in range(n)]
+
+
+def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
+    q = _q(tokenizer)
+    config = QConfig(lr=1e-2, head_lr=1e-1, batch_size=8, max_epochs=6, patience=6)
+    train, val = _examples(32), _examples(8, offset=3)
+    q.bce = True
+    metrics = fit_q(q, train, val, config, seed=0, round_index=0, warm=False, micro_tokens=2048)
+    assert metrics["q/val_examples"] == 8 and metrics["q/train_examples"] == 32
+    assert metrics["q/val_pearson"] > 0.8 and metrics["q/val_spearman"] > 0.8
+    assert metrics["q/val_mse"] < 0.08  # a constant 0.5 would score 0.16
+    scores = q.score([e.sequence for e in val], 2048)
+    assert all((s > 0.5) == (e.target > 0.5) for s, e in zip(scores, val))
+    cold = _q(tokenizer)
+    fit_q(cold, train, val, QConfig(max_epochs=1, lr=1e-12, head_lr=1e-12), 0, 0, warm=False, micro_tokens=2048)
+    # w = 0 and b = logit(mean target): every score is the mean target (5.4 warm start of round 0)
+    assert cold.score([e.sequence for e in val], 2048) == pytest.approx([0.5] * 8, abs=1e-6)
+
+
+def test_q_keeps_the_best_epoch_and_stops_early(tokenizer):
+    q = _q(tokenizer)
+    train, val = _examples(16), [QExample(e.sequence, 1 - e.target) for e in _examples(8, offset=3)]  # opposite
+    metrics = fit_q(q, train, val, QConfig(lr=1e-2, head_lr=1e-1, max_epochs=6, patience=1), 0, 0, False, 2048)
+    # learning the training rule makes the (opposite) validation loss worse: epoch 0 is kept, training stops at 1
+    assert metrics["q/best_epoch"] == 0 and metrics["q/epochs"] == 1
+    assert q.score([val[0].sequence], 2048)[0] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_q_uses_mse_outside_the_unit_interval(tokenizer):
+    q = _q(tokenizer)
+    examples = [QExample([1, 2, 3], 2.0), QExample([1, 2, 4], 4.0)]
+    fit_q(q, examples, [], QConfig(max_epochs=1, lr=1e-12, head_lr=1e-12), 0, 0, False, 2048)
+    assert not q.bce
+    assert q.score([[1, 2, 3]], 2048)[0] == pytest.approx(3.0, abs=1e-5)  # raw output starts at the mean
+
+
+def test_q_state_round_trip(tokenizer):
+    q = _q(tokenizer)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-1), 0, 0, False, 2048)
+    other = _q(tokenizer)
+    other.load(q.state())
+    sequences = [e.sequence for e in _examples(4)]
+    assert other.score(sequences, 2048) == pytest.approx(q.score(sequences, 2048), abs=1e-6)
+
+
+# replayed states
+
+
+def test_replay_rebuilds_the_state_of_each_logged_turn(play_episodes):
+    episode = play_episodes("craigslist", ["bot", "bot"], seed=4)[0]
+    own = episode.trajectory("p0")
+    for t, turn in enumerate(own):
+        env, role = replay(episode, "p0", t)
+        assert env.acting_roles() == [role]
+        assert env.validate(role, turn.text)[0] == (not turn.invalid)
+    env, role = replay(episode, "p0", 0)
+    assert env.validate(role, "<accept/>") == (False, env.validate(role, "<accept/>")[1])  # nothing to accept yet
+    assert env.validate(role, "Hello there.")[0]
+    with pytest.raises(RepertoryError, match="no turn 99"):
+        replay(episode, "p0", 99)
+
+
+# Iterative GRPO's improvement step
+
+
+def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "groups", "rollout.max_new_tokens=3"), tiny_model(tokenizer, seed=1))
+    turns, episodes = trainer.deploy(0)
+    by_id = {ep.episode_id: ep for ep in episodes}
+    assert trainer.partner.calls > 0
+    calls = trainer.partner.calls
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the simulator was called while improving")
+
+    step = Env.step
+    monkeypatch.setattr("repertory.rounds.run_episodes", forbidden)
+    monkeypatch.setattr(Env, "step", forbidden)
+    q_of = {}
+
+    def fake_score(sequences, micro_tokens):
+        out = [float(sum(s) % 97) / 97 for s in sequences]
+        q_of.update({tuple(s): v for s, v in zip(sequences, out)})
+        return out
+
+    monkeypatch.setattr(trainer.q, "score", fake_score)
+    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    captured = []
+    monkeypatch.setattr(
+        trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {"kl": 0.0}
+    )
+    trainer.improve_igrpo(0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped at all
+    assert trainer.partner.calls == calls
+    n = trainer.config.rounds.candidates
+    states = 0
+    for batch, adv in captured:
+        samples = batch.samples
+        assert len(samples) % n == 0
+        for j in range(0, len(samples), n):
+            group = samples[j : j + n]
+            assert len({tuple(s.prompt_ids) for s in group}) == 1  # one state per group
+            scores = [q_of[tuple(s.prompt_ids + s.response_ids)] for s in group]
+            expected = algos.candidate_advantages(scores)
+            assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(expected, abs=1e-6)
+            states += 1
+    assert states == len(turns)
+    assert len({tuple(s.prompt_ids) for b, _ in captured for s in b.samples}) == len(
+        {tuple(t.prompt_ids) for t in turns}
+    )
+    monkeypatch.setattr(Env, "step", step)
+    captured.clear()
+    trainer.improve_igrpo(0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
+    assert trainer.partner.calls == calls and captured
+
+
+def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(
+        _config(tmp_path, "gate", "rollout.constrained=false", "rollout.max_new_tokens=4"),
+        tiny_model(tokenizer, seed=1),
+    )
+    turns, episodes = trainer.deploy(0)
+    by_id = {ep.episode_id: ep for ep in episodes}
+    monkeypatch.setattr(trainer.q, "score", lambda sequences, micro: [0.7] * len(sequences))
+    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    captured = []
+    monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
+    metrics = trainer.improve_igrpo(0, turns[:4], by_id, 1)
+    # free text from a random model is never a valid IPD action: every candidate is gated to 0, all equal
+    assert metrics["igrpo/gated_rate"] == 1.0
+    assert all(float(a.abs().max()) == 0.0 for _, adv in captured for a in adv.values())
+
+
+def test_igrpo_candidates_follow_the_deployment_constraint(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "constrained"), tiny_model(tokenizer, seed=1))
+    turns, episodes = trainer.deploy(0)
+    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    captured = []
+    monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append(batch) or {})
+    metrics = trainer.improve_igrpo(0, turns[:3], {ep.episode_id: ep for ep in episodes}, 1)
+    texts = {tokenizer.decode(s.response_ids, skip_special_tokens=True) for b in captured for s in b.samples}
+    by_id = {ep.episode_id: ep for ep in episodes}
+    env, role = replay(by_id[turns[0].episode_id], turns[0].seat_id, turns[0].t)
+    assert texts and texts <= set(env.action_choices(role))
+    assert metrics["igrpo/gated_rate"] == 0.0
+
+
+# the baselines' data rules
+
+
+def test_mt_sft_keeps_the_conversations_at_the_quantile(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(
+        _config(tmp_path, "sft", "rounds.method=mt-sft", "rounds.sft_quantile=0.6"), tiny_model(tokenizer)
+    )
+    returns = [0.1, 0.5, 0.3, 0.9, 0.7]  # S1
+    turns = [_turn(f"e{k}", "k", t, 1, g * (0.95 ** (1 - t)) / 0.95) for k, g in enumerate(returns) for t in (0, 1)]
+    for turn in turns:
+        if turn.t == 0:
+            turn.ret = returns[int(turn.episode_id[1:])]
+    trained = []
+    monkeypatch.setattr(trainer.learner, "backward_on", lambda pairs, loss_of: trained.extend(pairs) or 0.0)
+    monkeypatch.setattr(trainer.learner, "optimizer_step", lambda: 0.0)
+    metrics = trainer.improve_mt_sft(0, turns, epochs=1)
+    assert metrics["sft/cutoff"] == pytest.approx(0.58, abs=1e-9)
+    assert metrics["sft/kept_conversations"] == 2 and metrics["sft/kept_turns"] == 4
+    assert len(trained) == 4
+
+
+def test_mt_sft_loss_is_the_token_mean_nll(tmp_path, tokenizer):
+    trainer = start_run(
+        _config(tmp_path, "sft-loss", "rounds.method=mt-sft", "rounds.sft_quantile=0"), tiny_model(tokenizer)
+    )
+    turns = [LoggedTurn("e0", "k", 0, 0, [1, 2, 3], [4, 5, 6], 1.0, 1.0)]
+    pairs = [(turns[0].prompt_ids, turns[0].response_ids)]
+    expected = -float(trainer.learner.token_logps(pairs)[0].mean())
+    metrics = trainer.improve_mt_sft(0, turns, epochs=1)
+    assert metrics["loss/sft"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_mt_kto_labels_weights_and_a_hand_computed_loss(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "kto", "rounds.method=mt-kto"), tiny_model(tokenizer))
+    # K1 on one kernel: G_0 = [0.722, 0.0, 0.9025, 0.722] -> D, U, D, D; K2: lambda_U = 2.25
+    turns = [
+        LoggedTurn(f"e{k}", "k", 0, 0, [1, 2, 3 + k], [4 + k, 5], g, g)
+        for k, g in enumerate([0.722, 0.0, 0.9025, 0.722])
+    ]
+    turns.append(LoggedTurn("lone", "other", 0, 0, [1], [2], 0.5, 0.5))  # a kernel of one conversation: dropped
+    trainer.config.rounds.batch_size = 4
+    pairs = [(t.prompt_ids, t.response_ids) for t in turns[:4]]
+    before = [float(x.sum()) for x in trainer.learner.token_logps(pairs)]
+    trainer.learner.freeze_reference()
+    metrics = trainer.improve_mt_kto(0, turns, epochs=1)
+    assert (metrics["kto/desirable"], metrics["kto/undesirable"]) == (3, 1)
+    assert (metrics["kto/lambda_d"], metrics["kto/lambda_u"]) == (1.0, pytest.approx(2.25))
+    # at pi = pi_ref every implied reward is 0, so z0 = 0 and each loss is lambda * (1 - sigmoid(0)) = lambda / 2
+    assert metrics["loss/kto"] == pytest.approx((3 * 0.5 + 2.25 * 0.5) / 4, abs=1e-6)
+    after = [float(x.sum()) for x in trainer.learner.token_logps(pairs)]
+    assert after[1] < before[1] and after[0] > before[0]  # undesirable pushed down, desirable up
+
+
+def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "st", "rounds.method=st-grpo"), tiny_model(tokenizer))
+    returns = {"a": [0.62, 0.70, 0.55, 0.81], "b": [0.3, 0.3]}
+    turns = []
+    for kernel, gs in returns.items():
+        for k, g in enumerate(gs):
+            turns += [
+                LoggedTurn(f"{kernel}{k}", kernel, t, 1, [1, t], [2 + k, 3], g, g if t == 0 else 0.99) for t in (0, 1)
+            ]
+    captured = []
+    monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
+    trainer.improve_st_grpo(0, turns, epochs=2)
+    batch, adv = captured[0]
+    by_episode = {}
+    for i, sample in enumerate(batch.samples):
+        by_episode.setdefault(sample.response_ids[0], set()).add(round(float(adv[i][0]), 4))
+    assert [by_episode[2 + k] for k in range(4)][:4] != []
+    a_values = sorted(v for s in by_episode.values() for v in s)
+    assert set(a_values) >= {-0.4478, 0.2687, -1.0747, 1.2539}  # Q3 on kernel a; kernel b (all equal) -> 0
+    assert 0.0 in a_values
+
+
+def test_conversations_group_turns_in_order():
+    turns = [_turn("b", "k", 1, 1, 0.8), _turn("a", "k", 0, 0, 0.5), _turn("b", "k", 0, 1, 0.76)]
+    grouped = conversations(turns)
+    assert list(grouped) == ["a", "b"] and [t.t for t in grouped["b"]] == [0, 1]
+
+
+# the trainer
+
+
+def test_rounds_need_a_partner(tmp_path, tokenizer):
+    with pytest.raises(RepertoryError, match="trainer rounds deploys the policy against a partner"):
+        start_run(_config(tmp_path, "alone", "rollout.opponent=self"), tiny_model(tokenizer))
+
+
+def test_a_round_writes_logs_metrics_and_a_checkpoint_and_resumes(tmp_path, tokenizer):
+    config = _config(tmp_path, "run", "iterations=2", "eval.episodes=2", "rollout.episodes_per_kernel=1")
+    trainer = start_run(config, tiny_model(tokenizer, seed=5))
+    assert isinstance(trainer, RoundsTrainer)
+    trainer.fit()
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["deploy/conversations"] == 2 and line["igrpo/states"] == line["deploy/turns"] == 20
+        assert line["q/train_examples"] + line["q/val_examples"] == 20
+        assert "q/val_loss" in line and math.isfinite(line["kl"])
+    assert "final/discounted_return" in lines[-1]
+    assert (run / "rounds" / "turns-000001.parquet").is_file()
+    assert (run / "checkpoints" / "000002" / "q.safetensors").is_file()
+    resumed = resume_run(run, ["iterations=3"], loaded=tiny_model(tokenizer, seed=5))
+    assert resumed.iteration == 2
+    fresh = _q_state(resumed)
+    assert all(torch.equal(fresh[k], v) for k, v in _q_state(trainer).items())
+
+
+def _q_state(trainer):
+    return trainer.q.state()
+
+
+def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
+    logs = [_turn(f"e{k}", f"k{k}", 0, 0, 0.9 if k % 2 else 0.1) for k in range(12)]
+    for k, turn in enumerate(logs):
+        turn.messages, turn.response = [Message("user", f"hello {k}")], "ok"
+    path = write_turns(tmp_path / "logs.parquet", logs)
+    trainer = start_run(
+        _config(tmp_path, "from-logs", f"rounds.logs={path}", "rollout.max_new_tokens=4"), tiny_model(tokenizer, seed=5)
+    )
+    trainer.fit()
+    line = json.loads((tmp_path / "from-logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["deploy/turns"] == 12 and "episodes" not in line  # nothing was deployed in round 0
+    assert trainer.partner.calls == 0
+    assert line["igrpo/gated_rate"] == 0.0  # user logs carry no game state: no gate
+
+
+@pytest.mark.slow
+def test_a_round_of_igrpo_improves_the_held_out_return(tmp_path, tokenizer):
+    """Tiny model, constrained IPD against always-cooperate (defecting earns 5 instead of 3 every round):
+    one round of I-GRPO raises the held-out expected discounted return over the initial policy."""
+    config = _config(
+        tmp_path,
+        "improve",
+        "rollout.kernels_per_iteration=8",
+        "eval.episodes=16",
+        "rounds.candidates=8",
+        "rounds.states_per_step=16",
+        "rounds.q.max_epochs=4",
+        "rounds.q.lr=1e-3",
+        "rounds.q.head_lr=1e-2",
+        "rounds.reference=initial",
+        "algo.beta_kl=0",
+        "algo.lr=3e-3",
+    )
+    trainer = start_run(config, tiny_model(tokenizer, seed=3))
+    trainer.fit()
+    line = json.loads((tmp_path / "improve" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["q/val_spearman"] > 0.5
+    assert line["final/discounted_return"] > line["eval/discounted_return"] + 0.02
