@@ -14,6 +14,7 @@ import torch
 from repertory import algos
 from repertory.config import QConfig, load_config
 from repertory.envs.base import Env
+from repertory.learner import collect
 from repertory.models import load_tokenizer, tiny_model
 from repertory.rounds import (
     LoggedTurn,
@@ -454,6 +455,27 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
     a_values = sorted(v for s in by_episode.values() for v in s)
     assert set(a_values) >= {-0.4478, 0.2687, -1.0747, 1.2539}  # Q3 on kernel a; kernel b (all equal) -> 0
     assert 0.0 in a_values
+
+
+def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, tokenizer):
+    config = _config(tmp_path, "ppo", "rounds.method=mt-ppo", "rollout.episodes_per_kernel=1", "algo.mini_batches=1")
+    trainer = start_run(config, tiny_model(tokenizer))
+    assert trainer.learner.value is not None and trainer.estimator.name == "gae"
+    turns, episodes = trainer.deploy(0)
+    batch = collect(episodes)
+    inputs = trainer.estimator_inputs(batch)
+    assert len(inputs) == 2
+    for traj, ref in zip(inputs, batch.trajectories):
+        rewards = [turn.reward for turn in ref.episode.trajectory(ref.seat_id)]
+        g0 = sum(0.95**k * r for k, r in enumerate(rewards))
+        assert g0 > 0 and traj.rewards == pytest.approx([0.0] * (len(rewards) - 1) + [g0], abs=1e-12)
+    metrics = trainer.improve(0, turns, {ep.episode_id: ep for ep in episodes})
+    assert metrics["loss/value"] > 0 and "critic_grad_norm" in metrics
+
+
+def test_mt_ppo_needs_deployed_conversations(tmp_path, tokenizer):
+    with pytest.raises(RepertoryError, match="mt-ppo learns from deployed conversations"):
+        start_run(_config(tmp_path, "ppo-logs", "rounds.method=mt-ppo", "rounds.logs=x.parquet"), tiny_model(tokenizer))
 
 
 def test_conversations_group_turns_in_order():

@@ -202,10 +202,11 @@ class RoundsConfig(_Section):
     ``rollout.episodes_per_kernel`` conversations, the conversations are logged, the policy is improved offline
     on that log with ``method`` (no game is played while improving), and evaluated on held-out kernels."""
 
-    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto"] = Field(
+    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto", "mt-ppo"] = Field(
         "igrpo",
         description="igrpo (Q-function + single-turn GRPO over logged states), st-grpo (whole conversations as "
-        "GRPO samples), mt-sft (filtered behaviour cloning), mt-kto (KTO on conversation labels).",
+        "GRPO samples), mt-sft (filtered behaviour cloning), mt-kto (KTO on conversation labels), mt-ppo (PPO "
+        "epochs with a critic on the logged conversations, reward G_0 on the last agent token).",
     )
     gamma: float = Field(0.95, ge=0, le=1, description="Discount per agent turn of logged returns G_t.")
     logs: str | None = Field(
@@ -220,7 +221,9 @@ class RoundsConfig(_Section):
         True, description="igrpo: candidates the referee would reject (validate on the replayed log) score 0."
     )
     epochs: int | None = Field(
-        None, ge=1, description="Passes over the round's data; default: igrpo 1, st-grpo 2, mt-sft 2, mt-kto 1."
+        None,
+        ge=1,
+        description="Passes over the round's data; default: igrpo 1, st-grpo 2, mt-sft 2, mt-kto 1, mt-ppo 4.",
     )
     batch_size: int = Field(16, ge=1, description="st-grpo, mt-sft, mt-kto: logged turns per optimiser step.")
     sft_quantile: float = Field(0.9, ge=0, le=1, description="mt-sft: keep conversations at or above this quantile.")

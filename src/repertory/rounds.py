@@ -41,14 +41,14 @@ from repertory import algos
 from repertory.config import QConfig, TrainConfig
 from repertory.envs import Env, make
 from repertory.generation import TokenTrie
-from repertory.learner import Batch, PackedSequence, Sample, token_batches
+from repertory.learner import Batch, PackedSequence, Sample, collect, token_batches
 from repertory.models import LoadedModel, load_model
 from repertory.rollout import run_episodes
 from repertory.store import write_episodes, write_table
 from repertory.train import Trainer, rollout_metrics
 from repertory.types import Episode, Message, RepertoryError, derive
 
-DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1}
+DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1, "mt-ppo": 4}
 
 # ----------------------------------------------------------------------------------------------------------
 # Logged turns (5.3)
@@ -479,7 +479,11 @@ class RoundsTrainer(Trainer):
             q_backbone = (
                 copy.deepcopy(loaded.model) if q_model is None else load_model(q_model, config.model.device).model
             )
+        if method == "mt-ppo" and config.rounds.logs:
+            raise RepertoryError("mt-ppo learns from deployed conversations; rounds.logs needs another method")
         super().__init__(config, run_dir, loaded)
+        if method == "mt-ppo":
+            self.estimator = algos.get_estimator("gae")  # MT-PPO is token-level GAE (6.3, section 3)
         assert self.opponent is not None
         self.partner = _Counting(self.opponent)
         self.opponent = self.partner
@@ -488,6 +492,18 @@ class RoundsTrainer(Trainer):
             pad = self.loaded.tokenizer.pad_token_id
             self.q = QFunction(q_backbone, config.rounds.q, config.seed, pad if pad is not None else 0)
         self.simulator_episodes = 0
+
+    def needs_critic(self) -> bool:
+        return self.config.rounds.method == "mt-ppo"
+
+    def estimator_inputs(self, batch: Batch) -> list[algos.TrajectoryInput]:
+        """MT-PPO's reward (6.3): the conversation's G_0 on the agent's last turn, nothing before, so that
+        maximising it maximises the metric J."""
+        inputs = batch.estimator_inputs()
+        for traj in inputs:
+            g0 = algos.discounted_returns(traj.rewards, self.config.rounds.gamma)[0] if traj.rewards else 0.0
+            traj.rewards = [0.0] * (len(traj.rewards) - 1) + [g0] if traj.rewards else []
+        return inputs
 
     # checkpoints: the policy, and the Q-function that the next round warm-starts from
 
@@ -557,6 +573,8 @@ class RoundsTrainer(Trainer):
             return self.improve_st_grpo(round_index, turns, epochs)
         if method == "mt-sft":
             return self.improve_mt_sft(round_index, turns, epochs)
+        if method == "mt-ppo":
+            return self.improve_mt_ppo(round_index, list(episodes.values()), epochs)
         return self.improve_mt_kto(round_index, turns, epochs)
 
     def _training_turns(self, round_index: int, turns: list[LoggedTurn]) -> list[LoggedTurn]:
@@ -685,6 +703,15 @@ class RoundsTrainer(Trainer):
                 losses.append(loss)
         if losses:
             metrics["loss/sft"] = sum(losses) / len(losses)
+        return metrics
+
+    def improve_mt_ppo(self, round_index: int, episodes: list[Episode], epochs: int) -> dict[str, float]:
+        """MT-PPO in batch-online mode (6.3): token-level GAE with the critic (warm across rounds) on the round's
+        conversations, PPO epochs with the deployed policy as the old one."""
+        batch = collect(episodes, self.config.algo.packing, self.config.algo.mask_truncated)
+        self.learner.score(batch)
+        advantages, returns, metrics = self.advantages(batch)
+        metrics.update(self.learner.update(batch, advantages, returns, f"mt-ppo/{round_index}", epochs))
         return metrics
 
     def improve_mt_kto(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:

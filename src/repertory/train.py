@@ -158,7 +158,7 @@ class Trainer:
             config.algo,
             config.model.lora,
             config.critic,
-            needs_critic=self.estimator.needs_critic and config.trainer == "online",
+            needs_critic=self.needs_critic(),
             temperature=config.rollout.temperature,
             seed=config.seed,
         )
@@ -178,6 +178,14 @@ class Trainer:
         self.kernels = load_kernels(config.rollout.env, "train")
         self.iteration = 0
         self.estimator_state: dict[str, Any] = {}
+
+    def needs_critic(self) -> bool:
+        """Whether the learner carries a value model (read from the config alone: called while building)."""
+        return self.estimator.needs_critic
+
+    def estimator_inputs(self, batch: Batch) -> list[algos.TrajectoryInput]:
+        """What the estimator sees of a batch (the per-turn rewards as the environment gave them)."""
+        return batch.estimator_inputs()
 
     def _agent(self, spec: str) -> Agent | None:
         if spec in ("self", "pool"):
@@ -306,7 +314,7 @@ class Trainer:
     def advantages(self, batch: Batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, dict]:
         """Per-sample advantage (and critic target) tensors from the configured estimator."""
         algo = self.config.algo
-        inputs = batch.estimator_inputs()
+        inputs = self.estimator_inputs(batch)
         if algo.kl_mode == "reward" and algo.beta_kl > 0:
             for traj, ref in zip(inputs, batch.trajectories):
                 for k, index in enumerate(ref.samples):
