@@ -21,6 +21,7 @@ from repertory.rounds import (
     QExample,
     QFunction,
     RoundsTrainer,
+    Transition,
     conversations,
     fit_q,
     kernel_split,
@@ -28,6 +29,7 @@ from repertory.rounds import (
     rank_correlation,
     read_turns,
     replay,
+    transitions,
     write_turns,
 )
 from repertory.train import resume_run, start_run
@@ -476,6 +478,74 @@ def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, 
 def test_mt_ppo_needs_deployed_conversations(tmp_path, tokenizer):
     with pytest.raises(RepertoryError, match="mt-ppo learns from deployed conversations"):
         start_run(_config(tmp_path, "ppo-logs", "rounds.method=mt-ppo", "rounds.logs=x.parquet"), tiny_model(tokenizer))
+
+
+def test_archer_transitions_carry_the_reward_on_the_last_turn():
+    turns = [LoggedTurn("e", "k", t, 2, [t], [10 + t], 0.8, g) for t, g in enumerate([0.7220, 0.76, 0.8])]
+    turns.append(LoggedTurn("f", "k", 0, 0, [9], [19], 0.0, 0.0))
+    out = transitions(turns, 0.95)
+    assert [x.reward for x in out] == pytest.approx([0.0, 0.0, 0.8, 0.0], abs=1e-12)
+    assert [x.done for x in out] == [False, False, True, True]
+    assert [x.next_state for x in out[:2]] == [[1], [2]]
+
+
+@pytest.mark.parametrize("method", ["archer", "archer-lc"])
+def test_archer_critic_step_targets_and_soft_update(tmp_path, tokenizer, method):
+    trainer = start_run(_config(tmp_path, method, f"rounds.method={method}"), tiny_model(tokenizer, seed=2))
+    critic = trainer.archer
+    assert (critic.features.peft is not None) == (method == "archer-lc")
+    batch = [
+        Transition([1, 2, 3], [4], 0.0, [1, 2, 3, 4, 5]),
+        Transition([1, 2, 3, 4, 5], [6], 0.8, None),
+    ]
+    sampled = [[7], [8]]
+    with torch.no_grad():
+        h_s_bar = critic.encode([x.state for x in batch], target=True)
+        v_bar = critic.target.values(critic.encode([batch[0].next_state], target=True))
+        q_bar = critic.target.qs(h_s_bar, critic.encode([x.state + a for x, a in zip(batch, sampled)], target=True))
+        h_s = critic.encode([x.state for x in batch])
+        q = critic.heads.qs(h_s, critic.encode([x.state + x.action for x in batch]))
+        v = critic.heads.values(h_s)
+    expected = 0.0
+    for i in range(2):
+        y_q = torch.stack([0.95 * v_bar[i][0], torch.tensor(0.8)])  # R1: r + gamma (1 - d) Vbar(s')
+        expected += float(((q[i] - y_q) ** 2).mean() + ((v[i] - q_bar[i]) ** 2).mean())
+    target_before = [t.detach().clone() for t in critic.target.parameters()]
+    adapter_before = [t.clone() for t in critic.target_adapter]
+    loss = trainer.critic_step(batch, sampled)
+    assert loss == pytest.approx(expected, rel=1e-5)
+    for before, bar, online in zip(target_before, critic.target.parameters(), critic.heads.parameters()):
+        assert torch.allclose(bar, 0.9 * before + 0.1 * online.detach(), atol=1e-6)  # R3, tau 0.1
+    assert len(adapter_before) == (0 if method == "archer" else len(critic.features.adapter()))
+    for before, bar, online in zip(adapter_before, critic.target_adapter, critic.features.adapter()):
+        assert torch.allclose(bar, 0.9 * before + 0.1 * online.detach(), atol=1e-6)
+
+
+def test_archer_actor_step_is_advantage_weighted_sequence_log_prob(tmp_path, tokenizer):
+    trainer = start_run(_config(tmp_path, "actor", "rounds.method=archer"), tiny_model(tokenizer, seed=2))
+    critic = trainer.archer
+    states, actions = [[1, 2, 3], [1, 2, 4]], [[5, 6], [7]]
+    with torch.no_grad():
+        h_s = critic.encode(states)
+        q1, q2 = critic.heads.qs(h_s, critic.encode([s + a for s, a in zip(states, actions)]))
+        v1, v2 = critic.heads.values(h_s)
+    advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).tolist()
+    seq = [float(x.sum()) for x in trainer.learner.token_logps(list(zip(states, actions)))]
+    loss, adv = trainer.actor_step(states, actions)
+    assert adv == pytest.approx(advantages, abs=1e-6)
+    assert loss == pytest.approx(-sum(a * lp for a, lp in zip(advantages, seq)) / 2, rel=1e-4)  # R2 per state
+
+
+def test_archer_rounds_run_and_resume_with_their_critic(tmp_path, tokenizer):
+    config = _config(tmp_path, "archer-run", "rounds.method=archer-lc", "rollout.episodes_per_kernel=1")
+    trainer = start_run(config, tiny_model(tokenizer, seed=4))
+    trainer.fit()
+    line = json.loads((tmp_path / "archer-run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["archer/buffer"] == line["deploy/turns"] == 20
+    assert math.isfinite(line["loss/critic"]) and math.isfinite(line["loss/actor"])
+    resumed = resume_run(tmp_path / "archer-run", loaded=tiny_model(tokenizer, seed=4))
+    for key, value in trainer.archer.state().items():
+        assert torch.equal(resumed.archer.state()[key], value)
 
 
 def test_conversations_group_turns_in_order():

@@ -196,17 +196,28 @@ class QConfig(_Section):
     )
 
 
+class ArcherConfig(_Section):
+    """The critic of archer / archer-lc (algorithms.md 6.4, 6.5): double Q and V heads on last-token features,
+    soft-updated target copies, a replay buffer of every round's turns. The actor's learning rate is algo.lr."""
+
+    tau: float = Field(0.1, gt=0, le=1, description="Soft update of the target critic after every critic step.")
+    lr: float = Field(1e-5, gt=0, description="Critic learning rate (heads, and the LoRA of archer-lc).")
+    batch_size: int = Field(16, ge=1, description="Transitions (critic) or states (actor) per optimiser step.")
+
+
 class RoundsConfig(_Section):
     """Batch-online training (algorithms.md 5-6; ``trainer: rounds``). Each iteration is one deployment round:
     the policy plays ``rollout.opponent`` (the partner) on ``rollout.kernels_per_iteration`` train kernels x
     ``rollout.episodes_per_kernel`` conversations, the conversations are logged, the policy is improved offline
     on that log with ``method`` (no game is played while improving), and evaluated on held-out kernels."""
 
-    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto", "mt-ppo"] = Field(
+    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto", "mt-ppo", "archer", "archer-lc"] = Field(
         "igrpo",
         description="igrpo (Q-function + single-turn GRPO over logged states), st-grpo (whole conversations as "
         "GRPO samples), mt-sft (filtered behaviour cloning), mt-kto (KTO on conversation labels), mt-ppo (PPO "
-        "epochs with a critic on the logged conversations, reward G_0 on the last agent token).",
+        "epochs with a critic on the logged conversations, reward G_0 on the last agent token), archer "
+        "(TD actor-critic on frozen features of the initial model), archer-lc (the same critic with a LoRA "
+        "backbone of the Q-function's size).",
     )
     gamma: float = Field(0.95, ge=0, le=1, description="Discount per agent turn of logged returns G_t.")
     logs: str | None = Field(
@@ -223,12 +234,14 @@ class RoundsConfig(_Section):
     epochs: int | None = Field(
         None,
         ge=1,
-        description="Passes over the round's data; default: igrpo 1, st-grpo 2, mt-sft 2, mt-kto 1, mt-ppo 4.",
+        description="Passes over the round's data; default: igrpo 1, st-grpo 2, mt-sft 2, mt-kto 1, mt-ppo 4 "
+        "(archer: one critic pass over the replay buffer, two in round 0, then one actor pass).",
     )
     batch_size: int = Field(16, ge=1, description="st-grpo, mt-sft, mt-kto: logged turns per optimiser step.")
     sft_quantile: float = Field(0.9, ge=0, le=1, description="mt-sft: keep conversations at or above this quantile.")
     kto_beta: float = Field(0.1, gt=0, description="mt-kto: beta of the KTO value function.")
     q: QConfig = Field(default_factory=QConfig)
+    archer: ArcherConfig = Field(default_factory=ArcherConfig)
 
 
 class EvalConfig(_Section):

@@ -40,15 +40,15 @@ from torch import nn
 from repertory import algos
 from repertory.config import QConfig, TrainConfig
 from repertory.envs import Env, make
-from repertory.generation import TokenTrie
+from repertory.generation import Generation, TokenTrie
 from repertory.learner import Batch, PackedSequence, Sample, collect, token_batches
 from repertory.models import LoadedModel, load_model
 from repertory.rollout import run_episodes
-from repertory.store import write_episodes, write_table
+from repertory.store import read_episodes, write_episodes, write_table
 from repertory.train import Trainer, rollout_metrics
 from repertory.types import Episode, Message, RepertoryError, derive
 
-DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1, "mt-ppo": 4}
+DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1, "mt-ppo": 4, "archer": 1, "archer-lc": 1}
 
 # ----------------------------------------------------------------------------------------------------------
 # Logged turns (5.3)
@@ -237,42 +237,60 @@ def conversations(turns: list[LoggedTurn]) -> dict[str, list[LoggedTurn]]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-class QFunction(nn.Module):
-    """Q(s, a): a scalar head on the final hidden state of the last token of [history; response], read by a
-    backbone with its own LoRA adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1]
-    (``bce``), else raw values."""
+class LastTokenFeatures(nn.Module):
+    """The final hidden state at the last token of each sequence (right padding), read by a backbone that is
+    frozen or has a LoRA adapter of its own (``lora``); the features of the Q-function and ArCHer's critic."""
 
-    def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
+    def __init__(self, backbone: nn.Module, lora: QConfig | None, seed: int, pad_id: int, name: str):
         super().__init__()
         backbone.requires_grad_(False)
-        lora = PeftLoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=list(config.target_modules))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive(seed, "lora", "q"))
-            self.peft = get_peft_model(backbone, lora)
+        self.peft = None
+        if lora is not None:
+            config = PeftLoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, target_modules=list(lora.target_modules))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive(seed, "lora", name))
+                self.peft = get_peft_model(backbone, config)
         self.decoder = backbone.get_decoder()
-        self.head = nn.Linear(backbone.config.hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-        self.head.to(next(backbone.parameters()).device)
+        self.size = backbone.config.hidden_size
+        self.device = next(backbone.parameters()).device
         self.pad_id = pad_id
-        self.bce = True
 
-    def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(adapter parameters, head parameters)."""
-        return [p for p in self.decoder.parameters() if p.requires_grad], list(self.head.parameters())
+    def adapter(self) -> list[nn.Parameter]:
+        """The trainable adapter parameters (none for a frozen backbone)."""
+        return [p for p in self.decoder.parameters() if p.requires_grad]
 
-    def logits(self, sequences: list[list[int]]) -> torch.Tensor:
-        """z per sequence (right padding; the head reads each sequence's last real token)."""
-        device = self.head.weight.device
+    def forward(self, sequences: list[list[int]]) -> torch.Tensor:
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for b, seq in enumerate(sequences):
             ids[b, : len(seq)] = torch.tensor(seq)
             mask[b, : len(seq)] = 1
-        hidden = self.decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        last = torch.tensor([len(s) - 1 for s in sequences], device=device)
-        return self.head(hidden[torch.arange(len(sequences), device=device), last].float()).squeeze(-1)
+        hidden = self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        last = torch.tensor([len(s) - 1 for s in sequences], device=self.device)
+        return hidden[torch.arange(len(sequences), device=self.device), last].float()
+
+
+class QFunction(nn.Module):
+    """Q(s, a): a scalar head on the last-token features of [history; response], the backbone with its own LoRA
+    adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1] (``bce``), else raw values."""
+
+    def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
+        super().__init__()
+        self.features = LastTokenFeatures(backbone, config, seed, pad_id, "q")
+        self.peft = self.features.peft
+        self.head = nn.Linear(self.features.size, 1).to(self.features.device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.bce = True
+
+    def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter parameters, head parameters)."""
+        return self.features.adapter(), list(self.head.parameters())
+
+    def logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """z per sequence."""
+        return self.head(self.features(sequences)).squeeze(-1)
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], micro_tokens: int) -> list[float]:
@@ -414,6 +432,123 @@ def fit_q(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# ArCHer's critic (6.4, 6.5)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mlp(d_in: int, d: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 1))
+
+
+class ArcherHeads(nn.Module):
+    """Two V heads on h_s and two Q heads on concat(h_s, h_sa)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.v = nn.ModuleList([_mlp(d, d), _mlp(d, d)])
+        self.q = nn.ModuleList([_mlp(2 * d, d), _mlp(2 * d, d)])
+
+    def values(self, h_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v1, v2 = (head(h_s).squeeze(-1) for head in self.v)
+        return v1, v2
+
+    def qs(self, h_s: torch.Tensor, h_sa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.cat([h_s, h_sa], dim=-1)
+        q1, q2 = (head(both).squeeze(-1) for head in self.q)
+        return q1, q2
+
+
+@dataclass
+class Transition:
+    """(s_t, a_t, r_t, s_{t+1}, d_t) of one logged agent turn; s' is the agent's next prompt (with the reply)."""
+
+    state: list[int]
+    action: list[int]
+    reward: float
+    next_state: list[int] | None
+
+    @property
+    def done(self) -> bool:
+        return self.next_state is None
+
+
+def transitions(turns: list[LoggedTurn], gamma: float) -> list[Transition]:
+    """ArCHer's transitions of logged turns: r_t = G_t - gamma G_{t+1} (0 before the last agent turn and R on it
+    where the reward is terminal), done on the conversation's last turn."""
+    out = []
+    for convo in conversations(turns).values():
+        for turn, following in zip(convo, [*convo[1:], None]):
+            if following is None:
+                out.append(Transition(turn.prompt_ids, turn.response_ids, turn.ret, None))
+            else:
+                reward = turn.ret - gamma ** (following.t - turn.t) * following.ret
+                out.append(Transition(turn.prompt_ids, turn.response_ids, reward, following.prompt_ids))
+    return out
+
+
+class ArcherCritic(nn.Module):
+    """ArCHer's double critic with a target copy. ``archer``: heads on the frozen initial model's features
+    (features of logged sequences are cached); ``archer-lc``: the backbone has a LoRA adapter shared by the
+    four heads, and the target network copies adapter and heads."""
+
+    def __init__(self, features: LastTokenFeatures, seed: int):
+        super().__init__()
+        self.features = features
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive(seed, "archer", "heads"))
+            self.heads = ArcherHeads(features.size).to(features.device)
+        self.target = copy.deepcopy(self.heads).requires_grad_(False)
+        self.target_adapter = [p.detach().clone() for p in features.adapter()]
+        self.cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def parameters_to_train(self) -> list[nn.Parameter]:
+        return self.features.adapter() + list(self.heads.parameters())
+
+    def encode(self, sequences: list[list[int]], target: bool = False) -> torch.Tensor:
+        """Features of each sequence: cached for a frozen backbone, with the target adapter if ``target``."""
+        if self.features.peft is None:
+            missing = [s for s in sequences if tuple(s) not in self.cache]
+            if missing:
+                with torch.no_grad():
+                    for s, h in zip(missing, self.features(missing)):
+                        self.cache[tuple(s)] = h
+            return torch.stack([self.cache[tuple(s)] for s in sequences])
+        if not target:
+            return self.features(sequences)
+        online = self.features.adapter()
+        saved = [p.detach().clone() for p in online]
+        with torch.no_grad():
+            for p, t in zip(online, self.target_adapter):
+                p.copy_(t)
+            try:
+                return self.features(sequences)
+            finally:
+                for p, o in zip(online, saved):
+                    p.copy_(o)
+
+    def soft_update(self, tau: float) -> None:
+        """theta_bar <- (1 - tau) theta_bar + tau theta for heads and adapter (after every critic step)."""
+        algos.soft_update(self.target, self.heads, tau)
+        algos.soft_update(self.target_adapter, [p.detach() for p in self.features.adapter()], tau)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        tensors.update({f"target.{k}": v for k, v in self.target.state_dict().items()})
+        tensors.update({f"adapter.{i}": p for i, p in enumerate(self.features.adapter())})
+        tensors.update({f"target_adapter.{i}": p for i, p in enumerate(self.target_adapter)})
+        return {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
+        self.target.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("target.")})
+        with torch.no_grad():
+            for i, p in enumerate(self.features.adapter()):
+                p.copy_(tensors[f"adapter.{i}"])
+            for i, p in enumerate(self.target_adapter):
+                p.copy_(tensors[f"target_adapter.{i}"])
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Logged states replayed by the referee (format gate, constrained candidates)
 # ----------------------------------------------------------------------------------------------------------
 
@@ -473,11 +608,11 @@ class RoundsTrainer(Trainer):
             )
         method = config.rounds.method
         loaded = loaded or load_model(config.model.name, config.model.device)
-        q_backbone = None
-        if method == "igrpo":
-            q_model = config.rounds.q.model
-            q_backbone = (
-                copy.deepcopy(loaded.model) if q_model is None else load_model(q_model, config.model.device).model
+        critic_backbone = None
+        if method in ("igrpo", "archer", "archer-lc"):
+            other = config.rounds.q.model if method == "igrpo" else None
+            critic_backbone = (
+                copy.deepcopy(loaded.model) if other is None else load_model(other, config.model.device).model
             )
         if method == "mt-ppo" and config.rounds.logs:
             raise RepertoryError("mt-ppo learns from deployed conversations; rounds.logs needs another method")
@@ -487,10 +622,17 @@ class RoundsTrainer(Trainer):
         assert self.opponent is not None
         self.partner = _Counting(self.opponent)
         self.opponent = self.partner
+        pad = self.loaded.tokenizer.pad_token_id if self.loaded.tokenizer.pad_token_id is not None else 0
         self.q: QFunction | None = None
-        if q_backbone is not None:
-            pad = self.loaded.tokenizer.pad_token_id
-            self.q = QFunction(q_backbone, config.rounds.q, config.seed, pad if pad is not None else 0)
+        self.archer: ArcherCritic | None = None
+        if method == "igrpo":
+            self.q = QFunction(critic_backbone, config.rounds.q, config.seed, pad)
+        elif critic_backbone is not None:
+            lora = config.rounds.q if method == "archer-lc" else None
+            self.archer = ArcherCritic(
+                LastTokenFeatures(critic_backbone, lora, config.seed, pad, "archer"), config.seed
+            )
+            self.archer_optimizer = torch.optim.AdamW(self.archer.parameters_to_train(), lr=config.rounds.archer.lr)
         self.simulator_episodes = 0
 
     def needs_critic(self) -> bool:
@@ -511,11 +653,17 @@ class RoundsTrainer(Trainer):
         super().save_state(directory)
         if self.q is not None:
             save_file(self.q.state(), str(directory / "q.safetensors"))
+        if self.archer is not None:
+            save_file(self.archer.state(), str(directory / "archer.safetensors"))
+            torch.save(self.archer_optimizer.state_dict(), directory / "archer_optimizer.pt")
 
     def load_state(self, directory: Path) -> None:
         super().load_state(directory)
         if self.q is not None and (directory / "q.safetensors").is_file():
             self.q.load(load_file(str(directory / "q.safetensors")))
+        if self.archer is not None and (directory / "archer.safetensors").is_file():
+            self.archer.load(load_file(str(directory / "archer.safetensors")))
+            self.archer_optimizer.load_state_dict(torch.load(directory / "archer_optimizer.pt", weights_only=True))
 
     # one round
 
@@ -575,17 +723,35 @@ class RoundsTrainer(Trainer):
             return self.improve_mt_sft(round_index, turns, epochs)
         if method == "mt-ppo":
             return self.improve_mt_ppo(round_index, list(episodes.values()), epochs)
+        if method in ("archer", "archer-lc"):
+            return self.improve_archer(round_index, turns, episodes)
         return self.improve_mt_kto(round_index, turns, epochs)
 
-    def _training_turns(self, round_index: int, turns: list[LoggedTurn]) -> list[LoggedTurn]:
-        """The Q-function's data: this round's turns, or every round's so far (``q.data: all_rounds``)."""
-        if self.config.rounds.q.data == "round":
-            return turns
-        earlier = []
+    def history(
+        self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
+    ) -> tuple[list[LoggedTurn], dict[str, Episode]]:
+        """Every round's logged turns and deployed conversations up to this one (read back from the run)."""
+        all_turns, all_episodes = [], {}
         for k in range(round_index):
             if self.turns_path(k).is_file():
-                earlier += read_turns(self.turns_path(k), self.loaded.tokenizer, self.config.rounds.gamma)
-        return earlier + turns
+                all_turns += read_turns(self.turns_path(k), self.loaded.tokenizer, self.config.rounds.gamma)
+            deployed = self.run_dir / "episodes" / f"iter-{k:06d}.parquet"
+            if deployed.is_file():
+                all_episodes.update({ep.episode_id: ep for ep in read_episodes(deployed)})
+        return all_turns + turns, {**all_episodes, **episodes}
+
+    def sample(
+        self, states: list[LoggedTurn], episodes: dict[str, Episode], n: int, key: tuple
+    ) -> tuple[list[Generation], list[tuple[Env, str] | None]]:
+        """``n`` fresh responses of the live policy per logged state, sampled as deployed (constrained where the
+        deployment was), and each state's replayed referee (None without its conversation)."""
+        replayed = [
+            replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
+        ]
+        prompts = [x.prompt_ids for x in states for _ in range(n)]
+        seeds = [derive(self.config.seed, *key, x.episode_id, x.t, c, "sample") for x in states for c in range(n)]
+        constraints = [self._constraint(state) for state in replayed for _ in range(n)]
+        return self.backend.generate(prompts, self.live.params, seeds, constraints), replayed
 
     def improve_igrpo(
         self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode], epochs: int
@@ -593,7 +759,7 @@ class RoundsTrainer(Trainer):
         """Fit Q on the log, then single-turn GRPO over the logged states with Q as the reward (5.4, 5.5)."""
         assert self.q is not None
         rounds, algo = self.config.rounds, self.config.algo
-        data = self._training_turns(round_index, turns)
+        data = turns if rounds.q.data == "round" else self.history(round_index, turns, {})[0]
         q_train, q_val = kernel_split([t.kernel_id for t in data], rounds.q.val_fraction, self.config.seed)
         metrics = fit_q(
             self.q,
@@ -614,15 +780,8 @@ class RoundsTrainer(Trainer):
             random.Random(derive(self.config.seed, round_index, epoch, "igrpo")).shuffle(order)
             for chunk in _chunks(order, rounds.states_per_step):
                 states = [turns[i] for i in chunk]
-                replayed = [
-                    replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
-                ]
+                generations, replayed = self.sample(states, episodes, n, (round_index, epoch, "candidate"))
                 prompts = [x.prompt_ids for x in states for _ in range(n)]
-                seeds = [
-                    derive(self.config.seed, round_index, epoch, i, c, "candidate") for i in chunk for c in range(n)
-                ]
-                constraints = [self._constraint(state) for state in replayed for _ in range(n)]
-                generations = self.backend.generate(prompts, self.live.params, seeds, constraints)
                 rewards = self.q.score(
                     [list(p) + g.token_ids for p, g in zip(prompts, generations)], algo.micro_batch_tokens
                 )
@@ -713,6 +872,94 @@ class RoundsTrainer(Trainer):
         advantages, returns, metrics = self.advantages(batch)
         metrics.update(self.learner.update(batch, advantages, returns, f"mt-ppo/{round_index}", epochs))
         return metrics
+
+    def improve_archer(
+        self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
+    ) -> dict[str, float]:
+        """ArCHer (6.4, 6.5): a critic pass over the replay buffer of every round's transitions (two in round 0),
+        then an actor pass over this round's states with fresh samples a_pi and A = min Q - min V."""
+        assert self.archer is not None
+        all_turns, all_episodes = self.history(round_index, turns, episodes)
+        buffer = transitions(all_turns, self.config.rounds.gamma)
+        by_state = {(tuple(t.prompt_ids)): t for t in all_turns}
+        metrics: dict[str, float] = {"archer/buffer": float(len(buffer))}
+        losses = []
+        for critic_pass in range(2 if round_index == 0 else 1):
+            order = list(range(len(buffer)))
+            random.Random(derive(self.config.seed, round_index, critic_pass, "archer-critic")).shuffle(order)
+            for chunk in _chunks(order, self.config.rounds.archer.batch_size):
+                batch = [buffer[i] for i in chunk]
+                states = [by_state[tuple(x.state)] for x in batch]
+                generations, _ = self.sample(states, all_episodes, 1, (round_index, critic_pass, "archer-critic"))
+                losses.append(self.critic_step(batch, [g.token_ids for g in generations]))
+        metrics["loss/critic"] = sum(losses) / len(losses)
+        actor_losses, advantages = [], []
+        order = list(range(len(turns)))
+        random.Random(derive(self.config.seed, round_index, "archer-actor")).shuffle(order)
+        for chunk in _chunks(order, self.config.rounds.archer.batch_size):
+            states = [turns[i] for i in chunk]
+            generations, _ = self.sample(states, episodes, 1, (round_index, "archer-actor"))
+            actions = [g.token_ids for g in generations]
+            loss, adv = self.actor_step([x.prompt_ids for x in states], actions)
+            actor_losses.append(loss)
+            advantages += adv
+        metrics["loss/actor"] = sum(actor_losses) / len(actor_losses)
+        metrics["archer/advantage"] = sum(advantages) / len(advantages)
+        return metrics
+
+    def critic_step(self, batch: list[Transition], sampled: list[list[int]]) -> float:
+        """One critic update (6.4): y_Qi = r + gamma (1 - d) Vbar_i(s'), y_Vi = Qbar_i(s, a_pi), the sum of the
+        four mean squared errors, then the soft update of the target. Returns the loss."""
+        assert self.archer is not None
+        critic, gamma = self.archer, self.config.rounds.gamma
+        with torch.no_grad():
+            h_s_bar = critic.encode([x.state for x in batch], target=True)
+            following = [i for i, x in enumerate(batch) if not x.done]
+            v_bar = torch.zeros(2, len(batch), device=h_s_bar.device)
+            if following:
+                h_next = critic.encode([batch[i].next_state for i in following], target=True)
+                v_bar[:, following] = torch.stack(critic.target.values(h_next))
+            reward = torch.tensor([x.reward for x in batch], device=h_s_bar.device)
+            done = torch.tensor([x.done for x in batch], device=h_s_bar.device)
+            y_q = [algos.archer_q_target(reward, done, v_bar[i], gamma) for i in range(2)]
+            h_sa_pi = critic.encode([x.state + a for x, a in zip(batch, sampled)], target=True)
+            y_v = critic.target.qs(h_s_bar, h_sa_pi)
+        self.archer_optimizer.zero_grad(set_to_none=True)
+        h_s = critic.encode([x.state for x in batch])
+        h_sa = critic.encode([x.state + x.action for x in batch])
+        q = critic.heads.qs(h_s, h_sa)
+        v = critic.heads.values(h_s)
+        loss = sum(nn.functional.mse_loss(q[i], y_q[i]) + nn.functional.mse_loss(v[i], y_v[i]) for i in range(2))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters_to_train(), self.config.algo.grad_clip)
+        self.archer_optimizer.step()
+        critic.soft_update(self.config.rounds.archer.tau)
+        return float(loss.detach())
+
+    def actor_step(self, states: list[list[int]], actions: list[list[int]]) -> tuple[float, list[float]]:
+        """One actor update (6.4): -mean_s [A * sum of log pi(a_pi | s)], A = min(Q1, Q2)(s, a_pi) - min(V1, V2)(s)
+        from the online critic, detached. Returns the loss and the advantages."""
+        assert self.archer is not None
+        critic = self.archer
+        with torch.no_grad():
+            h_s = critic.encode(states)
+            q1, q2 = critic.heads.qs(h_s, critic.encode([s + a for s, a in zip(states, actions)]))
+            v1, v2 = critic.heads.values(h_s)
+        kept = [i for i, a in enumerate(actions) if a]
+        if not kept:
+            return 0.0, []
+        pairs = [(states[i], actions[i]) for i in kept]
+
+        def loss_of(indices: list[int], logps: list[torch.Tensor]) -> torch.Tensor:
+            sums = torch.stack([lp.sum() for lp in logps])
+            rows = [kept[i] for i in indices]
+            loss, _ = algos.archer_actor_loss(q1[rows], q2[rows], v1[rows], v2[rows], sums)
+            return loss * (len(indices) / len(kept))
+
+        loss = self.learner.backward_on(pairs, loss_of)
+        self.learner.optimizer_step()
+        advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2))[kept].tolist()
+        return loss, advantages
 
     def improve_mt_kto(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
         """MT-KTO (6.2): conversations above their kernel's mean G_0 are desirable, below undesirable; every
