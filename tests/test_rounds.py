@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from repertory import algos
-from repertory.config import QConfig, load_config
+from repertory.config import QConfig, dump_config, load_config, load_suite
 from repertory.envs.base import Env
 from repertory.learner import collect
 from repertory.models import load_tokenizer, tiny_model
@@ -29,10 +30,11 @@ from repertory.rounds import (
     rank_correlation,
     read_turns,
     replay,
+    run_suite,
     transitions,
     write_turns,
 )
-from repertory.train import resume_run, start_run
+from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.types import Message, RepertoryError
 
 
@@ -178,6 +180,36 @@ def test_bad_logs_are_refused_with_the_reason(tmp_path, tokenizer, rows, message
         read_turns(path, tokenizer, 0.95)
 
 
+def _ids_row(**fields):
+    return {
+        "episode_id": "e",
+        "kernel_id": "k",
+        "t": 0,
+        "outcome": 1.0,
+        "prompt_ids": [1],
+        "response_ids": [2],
+    } | fields
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([_ids_row(t=None)], "row 0: t is empty"),
+        ([_ids_row(kernel_id=None)], "row 0: kernel_id is empty"),
+        ([_ids_row(), _ids_row()], "episode 'e' logs the same turn t twice"),
+        ([_ids_row(), _ids_row(t=1, kernel_id="other")], "episode 'e' has more than one kernel_id"),
+        ([_ids_row(), _ids_row(t=1, outcome=0.5)], "episode 'e' has more than one outcome"),
+        ([_ids_row(ret=float("nan"))], "row 0: ret must be a finite number"),
+        ([_ids_row(response_ids=[10**9])], "row 0: token ids outside the policy's vocabulary"),
+    ],
+)
+def test_inconsistent_logs_are_refused(tmp_path, tokenizer, rows, message):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(RepertoryError, match=message):
+        read_turns(path, tokenizer, 0.95)
+
+
 def test_unreadable_logs_name_the_file(tmp_path, tokenizer):
     with pytest.raises(RepertoryError, match="no such file"):
         read_turns(tmp_path / "absent.parquet", tokenizer, 0.95)
@@ -192,10 +224,15 @@ def test_unreadable_logs_name_the_file(tmp_path, tokenizer):
 def test_kernel_split_keeps_every_kernel_on_one_side_and_is_stable():
     ids = [f"craigslist/train/{i:03d}" for i in range(100)]
     train, val = kernel_split(ids * 4, 0.1, seed=0)
-    assert len(val) == 10 and len(train) == 90 and not train & val and train | val == set(ids)
+    assert not train & val and train | val == set(ids) and 4 <= len(val) <= 18
     assert kernel_split(list(reversed(ids)), 0.1, seed=0) == (train, val)  # not the data's order
+    # a round that logged other kernels keeps every shared kernel on its side
+    some = ids[::7] + [f"craigslist/train/{i:03d}" for i in range(100, 140)]
+    other_train, other_val = kernel_split(some, 0.1, seed=0)
+    assert other_val & set(ids) == val & set(some) and other_train & set(ids) == train & set(some)
     assert kernel_split(ids, 0.1, seed=1) != (train, val)
     assert kernel_split(["only"], 0.1, seed=0) == ({"only"}, set())
+    assert kernel_split(ids, 0.0, seed=0) == (set(ids), set())
 
 
 def test_q_fit_never_sees_a_validation_kernel(tmp_path, tokenizer, monkeypatch):
@@ -443,20 +480,19 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
     turns = []
     for kernel, gs in returns.items():
         for k, g in enumerate(gs):
-            turns += [
-                LoggedTurn(f"{kernel}{k}", kernel, t, 1, [1, t], [2 + k, 3], g, g if t == 0 else 0.99) for t in (0, 1)
-            ]
+            episode = f"{kernel}{k}"
+            turns += [LoggedTurn(episode, kernel, t, 1, [1, t], [2, 3], g, g if t == 0 else 0.99) for t in (0, 1)]
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
     trainer.improve_st_grpo(0, turns, epochs=2)
     batch, adv = captured[0]
-    by_episode = {}
-    for i, sample in enumerate(batch.samples):
-        by_episode.setdefault(sample.response_ids[0], set()).add(round(float(adv[i][0]), 4))
-    assert [by_episode[2 + k] for k in range(4)][:4] != []
-    a_values = sorted(v for s in by_episode.values() for v in s)
-    assert set(a_values) >= {-0.4478, 0.2687, -1.0747, 1.2539}  # Q3 on kernel a; kernel b (all equal) -> 0
-    assert 0.0 in a_values
+    order = [t.episode_id for convo in conversations(turns).values() for t in convo]
+    by_episode: dict[str, set[float]] = {}
+    for i, episode in enumerate(order):
+        by_episode.setdefault(episode, set()).update(round(float(x), 4) for x in adv[i])
+    expected = dict(zip(["a0", "a1", "a2", "a3"], [-0.4478, 0.2687, -1.0747, 1.2539]))  # Q3 on kernel a
+    expected.update({"b0": 0.0, "b1": 0.0})  # all equal -> 0
+    assert by_episode == {e: {a} for e, a in expected.items()}
 
 
 def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, tokenizer):
@@ -573,18 +609,46 @@ def test_a_round_writes_logs_metrics_and_a_checkpoint_and_resumes(tmp_path, toke
     for line in lines:
         assert line["deploy/conversations"] == 2 and line["igrpo/states"] == line["deploy/turns"] == 20
         assert line["q/train_examples"] + line["q/val_examples"] == 20
-        assert "q/val_loss" in line and math.isfinite(line["kl"])
+        assert math.isfinite(line["kl"]) and math.isfinite(line["q/train_loss"])
     assert "final/discounted_return" in lines[-1]
     assert (run / "rounds" / "turns-000001.parquet").is_file()
     assert (run / "checkpoints" / "000002" / "q.safetensors").is_file()
-    resumed = resume_run(run, ["iterations=3"], loaded=tiny_model(tokenizer, seed=5))
-    assert resumed.iteration == 2
-    fresh = _q_state(resumed)
-    assert all(torch.equal(fresh[k], v) for k, v in _q_state(trainer).items())
 
 
-def _q_state(trainer):
-    return trainer.q.state()
+def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
+    extra = ("iterations=2", "rollout.episodes_per_kernel=1", "rounds.q.val_fraction=0")
+    straight = start_run(_config(tmp_path, "straight", *extra), tiny_model(tokenizer, seed=5))
+    straight.fit()
+    cut = start_run(_config(tmp_path, "cut", "iterations=1", *extra[1:]), tiny_model(tokenizer, seed=5))
+    cut.fit()
+    resumed = resume_run(tmp_path / "cut", ["iterations=2"], loaded=tiny_model(tokenizer, seed=5))
+    assert resumed.iteration == 1
+    resumed.fit()
+
+    def lines(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)} for row in rows]
+
+    assert lines("cut") == lines("straight")
+    for key, value in straight.q.state().items():
+        assert torch.equal(resumed.q.state()[key], value), key
+    final = load_file(str(tmp_path / "straight" / "checkpoints" / "000002" / "policy" / "adapter_model.safetensors"))
+    again = load_file(str(tmp_path / "cut" / "checkpoints" / "000002" / "policy" / "adapter_model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+
+
+def test_nothing_is_played_while_the_policy_improves(tmp_path, tokenizer, monkeypatch):
+    trainer = start_run(_config(tmp_path, "offline", "rollout.episodes_per_kernel=1"), tiny_model(tokenizer))
+    monkeypatch.setattr(trainer, "improve", lambda k, turns, episodes: trainer.deploy(k + 1) and {})
+    with pytest.raises(RuntimeError, match="a deployment while the policy improves offline"):
+        trainer.run_iteration(0)
+    monkeypatch.setattr(trainer, "improve", lambda k, turns, episodes: trainer.evaluate(k) and {})
+    with pytest.raises(RuntimeError, match="a held-out evaluation while the policy improves offline"):
+        trainer.run_iteration(0)
+    monkeypatch.setattr(trainer, "improve", lambda k, turns, episodes: trainer.partner.act([]) and {})
+    with pytest.raises(RuntimeError, match="the partner was asked while the policy improves offline"):
+        trainer.run_iteration(0)
+    assert trainer.offline is False  # the flag is lowered whatever happened
 
 
 def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
@@ -625,3 +689,45 @@ def test_a_round_of_igrpo_improves_the_held_out_return(tmp_path, tokenizer):
     line = json.loads((tmp_path / "improve" / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["q/val_spearman"] > 0.5
     assert line["final/discounted_return"] > line["eval/discounted_return"] + 0.02
+
+
+# suites
+
+
+def test_suite_recipe_validates_every_run():
+    suite = load_suite("igrpo-suite")
+    assert suite is not None and "igrpo" in suite.methods and "archer-lc" in suite.methods
+    assert load_suite("igrpo-craigslist") is None  # an ordinary recipe
+
+
+def test_bad_suites_are_refused_before_any_work(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], colour: red}\n")
+    with pytest.raises(RepertoryError, match="suite.colour: unknown key; allowed here: recipe, methods, envs"):
+        load_suite(str(bad))
+    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [magic], envs: [craigslist]}\n")
+    with pytest.raises(RepertoryError, match="rounds.method"):
+        load_suite(str(bad))
+    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [], envs: [craigslist]}\n")
+    with pytest.raises(RepertoryError, match="suite.methods"):
+        load_suite(str(bad))
+
+
+def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenizer):
+    recipe = tmp_path / "base.yaml"
+    config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=4")
+    recipe.write_text(dump_config(config).replace("name: unused\n", "name: null\n"))
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [st-grpo, mt-sft], envs: [ipd], seeds: [0, 1], "
+        f"output_dir: {tmp_path / 'grid'}}}\n"
+    )
+    suite = load_suite(str(suite_file))
+    started = []
+    table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: started.append(n))
+    assert started == ["st-grpo-ipd-s0", "st-grpo-ipd-s1", "mt-sft-ipd-s0", "mt-sft-ipd-s1"]
+    assert table.methods == ["base", "mt-sft", "st-grpo"] and table.cells[("st-grpo", "ipd")][2] == 2
+    assert (tmp_path / "grid" / "table.md").read_text() == table.markdown()
+    fits = []
+    again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
+    assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again

@@ -320,10 +320,15 @@ def train(
     resume: Path | None = typer.Option(None, "--resume", help="Continue this run from its newest complete checkpoint."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
-    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU)."""
-    from repertory.config import load_config
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU).
+    A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
+    from repertory.config import load_config, load_suite
     from repertory.train import resume_run, start_run
 
+    suite = load_suite(recipe) if recipe is not None and resume is None else None
+    if suite is not None:
+        _train_suite(suite.model_copy(update={"set": [*suite.set, *(overrides or [])]}), quiet)
+        return
     if resume is not None:
         if recipe is not None:
             raise RepertoryError("--resume continues a run with its own config; give no recipe (--set changes keys)")
@@ -351,6 +356,31 @@ def train(
     out.print(f"run: {run_dir}")
     out.print(f"report: {run_dir / 'report'} (learning curves); metrics: {run_dir / 'metrics.jsonl'}")
     out.print(f"evaluate it: repertory eval {run_dir}")
+
+
+def _train_suite(suite, quiet: bool) -> None:
+    from repertory.rounds import run_suite, suite_runs
+
+    names = [name for name, _ in suite_runs(suite)]
+    out.print(f"suite: {len(names)} runs ({', '.join(names)}) -> {suite.output_dir}")
+    current = {"name": ""}
+
+    def on_run(name, trainer) -> None:
+        current["name"] = name
+        out.print(f"run {name}: {trainer.iteration} of {trainer.config.iterations} rounds done")
+
+    def on_line(line) -> None:
+        if quiet:
+            return
+        parts = [f"{current['name']} round {line['iteration']}"]
+        for key, label in (("eval/discounted_return", "held-out J"), ("q/val_spearman", "Q rank corr.")):
+            if key in line:
+                parts.append(f"{label} {line[key]:.3f}")
+        out.print("  " + " | ".join(parts), style="dim")
+
+    table = run_suite(suite, on_run=on_run, on_line=on_line)
+    out.print(table.markdown())
+    out.print(f"wrote {suite.output_dir}/table.md and table.csv")
 
 
 def _crossplay_agent(

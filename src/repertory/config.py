@@ -280,6 +280,22 @@ class TrainConfig(_Section):
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
 
 
+class SuiteConfig(_Section):
+    """A grid of runs (a recipe file whose top-level key is ``suite``): every method x environment x seed starts
+    from ``recipe`` with ``set`` applied, then the table of algorithms.md 5.7 is built from the runs."""
+
+    recipe: str = Field(description="The recipe every run starts from (a shipped name or a file).")
+    methods: list[str] = Field(min_length=1, description="Values of rounds.method, one run each.")
+    envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
+    set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
+    output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
+
+
+class _SuiteFile(_Section):
+    suite: SuiteConfig
+
+
 RECIPES = "recipes"
 
 
@@ -322,12 +338,12 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _describe(err: ValidationError, source: str) -> str:
+def _describe(err: ValidationError, source: str, root: type[BaseModel] = TrainConfig) -> str:
     lines = []
     for item in err.errors():
         path = ".".join(str(p) for p in item["loc"])
         if item["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key; allowed here: {', '.join(_allowed_keys(item['loc']))}")
+            lines.append(f"{path}: unknown key; allowed here: {', '.join(_allowed_keys(item['loc'], root))}")
         else:
             message = item["msg"].removeprefix("Value error, ")
             got = "" if isinstance(item["input"], dict) else f" (got {item['input']!r})"
@@ -335,8 +351,8 @@ def _describe(err: ValidationError, source: str) -> str:
     return f"invalid configuration in {source}:\n  " + "\n  ".join(lines)
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] = TrainConfig
+def _allowed_keys(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
+    model = root
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         if field is None:
@@ -371,6 +387,26 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
         return TrainConfig.model_validate(data)
     except ValidationError as err:
         raise RepertoryError(_describe(err, source)) from None
+
+
+def load_suite(recipe: str) -> SuiteConfig | None:
+    """The suite a recipe describes, or None when it is an ordinary recipe. Every run's config is validated
+    here, before any work starts."""
+    text, source = _recipe_text(recipe)
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RepertoryError(f"{source} is not valid YAML: {err}") from None
+    if not isinstance(loaded, dict) or "suite" not in loaded:
+        return None
+    try:
+        suite = _SuiteFile.model_validate(loaded).suite
+    except ValidationError as err:
+        raise RepertoryError(_describe(err, source, _SuiteFile)) from None
+    for method in suite.methods:
+        for env in suite.envs:
+            load_config(suite.recipe, [*suite.set, f"rounds.method={method}", f"rollout.env={env}"])
+    return suite
 
 
 def dump_config(config: TrainConfig) -> str:

@@ -220,6 +220,7 @@ class Learner:
             base.requires_grad_(True)
         self.model = base  # the causal LM generation runs on; LoRA layers are injected into it in place
         self.reference_adapter: str | None = None
+        self.round_reference: nn.Module | None = None
         self.policy_params = [p for p in base.parameters() if p.requires_grad]
         self.value: _ValueModel | None = None
         self.critic_peft = None
@@ -289,7 +290,9 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         ents: dict[int, torch.Tensor] = {}
         vals: dict[int, torch.Tensor] = {}
-        model = self.reference if reference and self.reference is not None else self.model
+        model = self.model
+        if reference and self.peft is None:
+            model = self.round_reference if self.round_reference is not None else self.reference
         if reference and self.peft is not None and self.reference_adapter is not None:
             self.peft.set_adapter(self.reference_adapter, inference_mode=True)
             try:
@@ -321,8 +324,10 @@ class Learner:
         """Make the current policy the KL reference (pi_k of a batch-online round) instead of the initial one.
         With LoRA the reference is a frozen copy of the live adapter inside the same model."""
         if self.peft is None:
-            assert self.reference is not None
-            self.reference.load_state_dict(self.model.state_dict())
+            # A copy of its own: the initial reference may also serve as the frozen 'base' agent.
+            if self.round_reference is None:
+                self.round_reference = copy.deepcopy(self.model).requires_grad_(False)
+            self.round_reference.load_state_dict(self.model.state_dict())
             return
         if self.reference_adapter is None:
             self.reference_adapter = REFERENCE_ADAPTER

@@ -24,7 +24,7 @@ import copy
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from repertory import algos
-from repertory.config import QConfig, TrainConfig
+from repertory.config import QConfig, SuiteConfig, TrainConfig, load_config
 from repertory.envs import Env, make
 from repertory.generation import Generation, TokenTrie
 from repertory.learner import Batch, PackedSequence, Sample, collect, token_batches
 from repertory.models import LoadedModel, load_model
+from repertory.report import ResultsTable, results_table
 from repertory.rollout import run_episodes
 from repertory.store import read_episodes, write_episodes, write_table
 from repertory.train import Trainer, rollout_metrics
@@ -123,7 +124,7 @@ def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> lis
                         ret=ret,
                         round=round_index,
                         seat_id=seat.seat_id,
-                        policy_id=seat.policy_id,
+                        policy_id=f"pi_{round_index}",
                         logp_sample=list(turn.logp_sample),
                         messages=ep.prompt_messages(seat.seat_id, turn.turn_index),
                         response=turn.text,
@@ -163,27 +164,47 @@ def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTur
     rows = table.to_pylist()
     if not rows:
         raise RepertoryError(f"{path}: no logged turns")
-    last_t: dict[str, int] = {}
-    for row in rows:
-        last_t[str(row["episode_id"])] = max(last_t.get(str(row["episode_id"]), 0), int(row["t"]))
+    for n, row in enumerate(rows):
+        for column in REQUIRED_COLUMNS:
+            if row[column] is None:
+                raise RepertoryError(f"{path}, row {n}: {column} is empty")
+    episodes: dict[str, list[int]] = {}
+    for n, row in enumerate(rows):
+        episodes.setdefault(str(row["episode_id"]), []).append(n)
+    for episode_id, members in episodes.items():
+        for column in ("kernel_id", "outcome"):
+            if len({rows[n][column] for n in members}) > 1:
+                raise RepertoryError(f"{path}: episode {episode_id!r} has more than one {column}")
+        ts = [int(rows[n]["t"]) for n in members]
+        if len(set(ts)) < len(ts):
+            raise RepertoryError(f"{path}: episode {episode_id!r} logs the same turn t twice")
+    vocabulary = len(tokenizer)
     out = []
     for n, row in enumerate(rows):
         where = f"{path}, row {n}"
         outcome = row["outcome"]
         if not isinstance(outcome, (int, float)) or not math.isfinite(outcome):
             raise RepertoryError(f"{where}: outcome must be a finite number (got {outcome!r})")
-        T = int(row["T"]) if row.get("T") is not None else last_t[str(row["episode_id"])]
+        T = (
+            int(row["T"])
+            if row.get("T") is not None
+            else max(int(rows[k]["t"]) for k in episodes[str(row["episode_id"])])
+        )
         t = int(row["t"])
         if not 0 <= t <= T:
             raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
         messages = [Message(m["role"], m["content"]) for m in row.get("messages") or []]
         if has_ids and row.get("prompt_ids") and row.get("response_ids"):
             prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
+            if not all(0 <= i < vocabulary for i in prompt + response):
+                raise RepertoryError(f"{where}: token ids outside the policy's vocabulary (0..{vocabulary - 1})")
         elif messages and row.get("response") is not None:
             prompt, response = _render(tokenizer, messages, row["response"])
         else:
             raise RepertoryError(f"{where}: no prompt_ids/response_ids and no messages/response")
         ret = row.get("ret")
+        if ret is not None and (not isinstance(ret, (int, float)) or not math.isfinite(ret)):
+            raise RepertoryError(f"{where}: ret must be a finite number (got {ret!r})")
         out.append(
             LoggedTurn(
                 episode_id=str(row["episode_id"]),
@@ -217,11 +238,24 @@ def _render(tokenizer: Any, messages: list[Message], response: str) -> tuple[lis
 
 
 def kernel_split(kernel_ids: Iterable[str], val_fraction: float, seed: int) -> tuple[set[str], set[str]]:
-    """(Q-train, Q-val) kernels: every turn of a kernel on one side, the same kernels on the same side in
-    every round (the order is a hash of seed and kernel id, not of the round's data)."""
-    kernels = sorted(set(kernel_ids), key=lambda k: (derive(seed, "q-split", k), k))
-    n_val = math.ceil(val_fraction * len(kernels)) if len(kernels) > 1 else 0
-    return set(kernels[n_val:]), set(kernels[:n_val])
+    """(Q-train, Q-val) kernels: every turn of a kernel on one side, and each kernel on the same side in every
+    round whatever else was logged (Q-val iff a hash of seed and kernel id falls below ``val_fraction``)."""
+    kernels = set(kernel_ids)
+    val = {k for k in kernels if derive(seed, "q-split", k) % 1_000_000 < val_fraction * 1_000_000}
+    if val == kernels:  # nothing left to fit on: no validation this round
+        val = set()
+    return kernels - val, val
+
+
+def first_return(convo: list[LoggedTurn], gamma: float) -> float:
+    """G_0 of a conversation: its first turn's return, discounted back to t = 0 when the log starts later (a
+    first turn without tokens is not logged; its reward, if any, is unknown)."""
+    return gamma ** convo[0].t * convo[0].ret
+
+
+def group_key(turn: LoggedTurn) -> str:
+    """Conversations compared with each other (ST-GRPO groups, KTO's kernel means): same kernel, same seat."""
+    return f"{turn.kernel_id}/{turn.seat_id}"
 
 
 def conversations(turns: list[LoggedTurn]) -> dict[str, list[LoggedTurn]]:
@@ -392,7 +426,7 @@ def fit_q(
 
     selection = val or train
     best_loss, best_epoch, best_state = loss_on(selection, False), 0, q.state()
-    train_loss, epochs = loss_on(train, False), 0
+    train_loss, epochs = math.nan, 0
     for epoch in range(1, config.max_epochs + 1):
         order = list(range(len(train)))
         random.Random(derive(seed, round_index, epoch, "q")).shuffle(order)
@@ -581,13 +615,14 @@ def replay(episode: Episode, seat_id: str, t: int) -> tuple[Env, str]:
 
 
 class _Counting:
-    """An agent that counts its calls (the partner must not be asked while the policy improves)."""
+    """The partner, counting its calls; it refuses to answer while the policy improves offline."""
 
-    def __init__(self, agent: Any):
-        self.agent, self.calls = agent, 0
+    def __init__(self, agent: Any, trainer: RoundsTrainer):
+        self.agent, self.trainer, self.calls = agent, trainer, 0
         self.name, self.policy_id = agent.name, agent.policy_id
 
     def act(self, requests):
+        self.trainer._online("the partner was asked")
         self.calls += 1
         return self.agent.act(requests)
 
@@ -614,13 +649,15 @@ class RoundsTrainer(Trainer):
             critic_backbone = (
                 copy.deepcopy(loaded.model) if other is None else load_model(other, config.model.device).model
             )
+        if config.algo.kl_mode != "loss":
+            raise RepertoryError("trainer rounds puts the KL to the reference in the loss; set algo.kl_mode: loss")
         if method == "mt-ppo" and config.rounds.logs:
             raise RepertoryError("mt-ppo learns from deployed conversations; rounds.logs needs another method")
         super().__init__(config, run_dir, loaded)
         if method == "mt-ppo":
             self.estimator = algos.get_estimator("gae")  # MT-PPO is token-level GAE (6.3, section 3)
         assert self.opponent is not None
-        self.partner = _Counting(self.opponent)
+        self.partner = _Counting(self.opponent, self)
         self.opponent = self.partner
         pad = self.loaded.tokenizer.pad_token_id if self.loaded.tokenizer.pad_token_id is not None else 0
         self.q: QFunction | None = None
@@ -634,6 +671,8 @@ class RoundsTrainer(Trainer):
             )
             self.archer_optimizer = torch.optim.AdamW(self.archer.parameters_to_train(), lr=config.rounds.archer.lr)
         self.simulator_episodes = 0
+        self.discount = config.rounds.gamma
+        self.offline = False
 
     def needs_critic(self) -> bool:
         return self.config.rounds.method == "mt-ppo"
@@ -659,7 +698,9 @@ class RoundsTrainer(Trainer):
 
     def load_state(self, directory: Path) -> None:
         super().load_state(directory)
-        if self.q is not None and (directory / "q.safetensors").is_file():
+        if self.q is not None:
+            if not (directory / "q.safetensors").is_file():
+                raise RepertoryError(f"checkpoint {directory} has no Q-function (q.safetensors) to warm-start from")
             self.q.load(load_file(str(directory / "q.safetensors")))
         if self.archer is not None and (directory / "archer.safetensors").is_file():
             self.archer.load(load_file(str(directory / "archer.safetensors")))
@@ -670,8 +711,17 @@ class RoundsTrainer(Trainer):
     def turns_path(self, round_index: int) -> Path:
         return self.run_dir / "rounds" / f"turns-{round_index:06d}.parquet"
 
+    def _online(self, what: str) -> None:
+        if self.offline:
+            raise RuntimeError(f"{what} while the policy improves offline (algorithms.md 5.2 forbids it)")
+
+    def evaluate(self, iteration: int) -> dict[str, Any]:
+        self._online("a held-out evaluation")
+        return super().evaluate(iteration)
+
     def deploy(self, round_index: int) -> tuple[list[LoggedTurn], list[Episode]]:
         """Round k's data: the user's logs (round 0 with ``rounds.logs``) or a deployment of pi_k."""
+        self._online("a deployment")
         rounds = self.config.rounds
         if round_index == 0 and rounds.logs:
             return read_turns(rounds.logs, self.loaded.tokenizer, rounds.gamma), []
@@ -694,19 +744,23 @@ class RoundsTrainer(Trainer):
         line["time/deploy_s"] = time.perf_counter() - start
         if episodes:
             line.update(rollout_metrics(episodes))
-        g0 = [convo[0].ret for convo in conversations(turns).values() if convo[0].t == 0]
+        g0 = [first_return(convo, rounds.gamma) for convo in conversations(turns).values()]
         line["deploy/conversations"] = float(len(conversations(turns)))
         line["deploy/turns"] = float(len(turns))
         if g0:
             line["deploy/return"] = sum(g0) / len(g0)
 
         start = time.perf_counter()
-        partner_calls, simulated = self.partner.calls, self.simulator_episodes
+        partner_calls = self.partner.calls
         if rounds.reference == "round":
             self.learner.freeze_reference()
-        line.update(self.improve(iteration, turns, {ep.episode_id: ep for ep in episodes}))
-        if self.partner.calls != partner_calls or self.simulator_episodes != simulated:
-            raise RuntimeError("the improvement step called the partner or the simulator")  # 5.2: must be offline
+        self.offline = True
+        try:
+            line.update(self.improve(iteration, turns, {ep.episode_id: ep for ep in episodes}))
+        finally:
+            self.offline = False
+        if self.partner.calls != partner_calls:
+            raise RuntimeError("the improvement step asked the partner")  # 5.2: improvement is offline
         self.backend.clear_prefixes()
         line["time/train_s"] = time.perf_counter() - start
         return line
@@ -824,14 +878,16 @@ class RoundsTrainer(Trainer):
         return self.backend.trie(choices) if choices is not None else None
 
     def improve_st_grpo(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
-        """ST-GRPO (6.6): each logged conversation is one sample with reward G_0, grouped by kernel."""
-        convos = conversations(turns)
+        """ST-GRPO (6.6): each logged conversation is one sample with reward G_0, grouped by kernel (and seat)."""
+        convos, gamma = conversations(turns), self.config.rounds.gamma
         by_kernel: dict[str, list[str]] = {}
         for episode_id, convo in convos.items():
-            by_kernel.setdefault(convo[0].kernel_id, []).append(episode_id)
+            by_kernel.setdefault(group_key(convo[0]), []).append(episode_id)
         advantage: dict[str, float] = {}
         for members in by_kernel.values():
-            for episode_id, a in zip(members, algos.candidate_advantages([convos[e][0].ret for e in members])):
+            for episode_id, a in zip(
+                members, algos.candidate_advantages([first_return(convos[e], gamma) for e in members])
+            ):
                 advantage[episode_id] = a
         flat = [t for convo in convos.values() for t in convo]
         batch, adv = _single_turn_batch(
@@ -845,9 +901,11 @@ class RoundsTrainer(Trainer):
 
     def improve_mt_sft(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
         """MT-SFT (6.1): token-mean NLL on the agent turns of the conversations at or above the G_0 quantile."""
-        convos = conversations(turns)
+        convos, gamma = conversations(turns), self.config.rounds.gamma
         ids = list(convos)
-        cutoff, keep = algos.filtered_bc_keep([convos[e][0].ret for e in ids], self.config.rounds.sft_quantile)
+        cutoff, keep = algos.filtered_bc_keep(
+            [first_return(convos[e], gamma) for e in ids], self.config.rounds.sft_quantile
+        )
         kept = [t for e, k in zip(ids, keep) if k for t in convos[e]]
         metrics = {"sft/cutoff": cutoff, "sft/kept_conversations": float(sum(keep)), "sft/kept_turns": float(len(kept))}
         losses = []
@@ -966,7 +1024,9 @@ class RoundsTrainer(Trainer):
         agent turn inherits its conversation's label; KTO against the round's reference."""
         rounds = self.config.rounds
         convos = conversations(turns)
-        labels = algos.kto_labels([c[0].kernel_id for c in convos.values()], [c[0].ret for c in convos.values()])
+        labels = algos.kto_labels(
+            [group_key(c[0]) for c in convos.values()], [first_return(c, rounds.gamma) for c in convos.values()]
+        )
         label_of = dict(zip(convos, labels))
         samples = [t for e, convo in convos.items() if label_of[e] is not None for t in convo]
         metrics: dict[str, float] = {"kto/desirable": 0.0, "kto/undesirable": 0.0}
@@ -990,9 +1050,11 @@ class RoundsTrainer(Trainer):
                 n = len(chunk)
 
                 def loss_of(indices: list[int], logps: list[torch.Tensor], chunk=chunk, mismatched=mismatched, n=n):
-                    r = torch.stack([lp.sum() for lp in logps]) - torch.tensor([ref[chunk[i]] for i in indices])
-                    mask = torch.tensor([desirable[chunk[i]] for i in indices])
-                    per = algos.kto_loss(r, mismatched, mask, rounds.kto_beta, lambda_d, lambda_u)
+                    device = logps[0].device
+                    reference = torch.tensor([ref[chunk[i]] for i in indices], device=device)
+                    r = torch.stack([lp.sum() for lp in logps]) - reference
+                    mask = torch.tensor([desirable[chunk[i]] for i in indices], device=device)
+                    per = algos.kto_loss(r, mismatched.to(device), mask, rounds.kto_beta, lambda_d, lambda_u)
                     return per.sum() / n
 
                 pairs = [(samples[i].prompt_ids, samples[i].response_ids) for i in chunk]
@@ -1028,3 +1090,49 @@ def _single_turn_batch(
         if s.trained
     }
     return Batch([], samples, sequences), adv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A grid of runs and its table
+# ----------------------------------------------------------------------------------------------------------
+
+
+def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
+    """(run name, overrides) of every cell of the grid, environment-major."""
+    out = []
+    for env in suite.envs:
+        for method in suite.methods:
+            for seed in suite.seeds:
+                name = f"{method}-{env}-s{seed}"
+                overrides = [*suite.set, f"rounds.method={method}", f"rollout.env={env}", f"seed={seed}"]
+                out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
+    return out
+
+
+def run_suite(
+    suite: SuiteConfig,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_run: Callable[[str, Trainer], None] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> ResultsTable:
+    """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
+    so rerunning the suite continues it — then write ``table.md`` and ``table.csv`` into the output directory."""
+    from repertory.train import resume_run, start_run
+
+    runs = []
+    for name, overrides in suite_runs(suite):
+        run_dir = Path(suite.output_dir) / name
+        model = loaded() if loaded is not None else None
+        if (run_dir / "config.yaml").is_file():
+            trainer = resume_run(run_dir, loaded=model)
+        else:
+            trainer = start_run(load_config(suite.recipe, overrides), model)
+        if on_run is not None:
+            on_run(name, trainer)
+        if trainer.iteration < trainer.config.iterations:
+            trainer.fit(on_line)
+        runs.append(run_dir)
+    table = results_table(runs)
+    Path(suite.output_dir, "table.md").write_text(table.markdown())
+    Path(suite.output_dir, "table.csv").write_text(table.csv())
+    return table

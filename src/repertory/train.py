@@ -36,7 +36,7 @@ from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import agent_seat, evaluate, mean_metrics, mean_se, partner_outcome, seat_scores
+from repertory.eval import DISCOUNT, agent_seat, evaluate, mean_metrics, mean_se, partner_outcome, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import LIVE_ADAPTER, Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -178,6 +178,7 @@ class Trainer:
         self.kernels = load_kernels(config.rollout.env, "train")
         self.iteration = 0
         self.estimator_state: dict[str, Any] = {}
+        self.discount = DISCOUNT  # gamma of the held-out expected discounted return
 
     def needs_critic(self) -> bool:
         """Whether the learner carries a value model (read from the config alone: called while building)."""
@@ -353,6 +354,7 @@ class Trainer:
             derive(config.seed, "eval"),
             config.eval.split,
             self.eval_opponent,
+            gamma=self.discount,
         )
         self.backend.clear_prefixes()
         out: dict[str, Any] = {
