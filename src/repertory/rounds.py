@@ -937,6 +937,7 @@ class RoundsTrainer(Trainer):
         """ArCHer (6.4, 6.5): a critic pass over the replay buffer of every round's transitions (two in round 0),
         then an actor pass over this round's states with fresh samples a_pi and A = min Q - min V."""
         assert self.archer is not None
+        self.archer.cache.clear()  # features of last round's fresh samples will not be asked for again
         all_turns, all_episodes = self.history(round_index, turns, episodes)
         buffer = transitions(all_turns, self.config.rounds.gamma)
         by_state = {(tuple(t.prompt_ids)): t for t in all_turns}
