@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from repertory.agents import make_agent
+from repertory.cli import main
 from repertory.envs import env_class
 from repertory.rollout import run_episodes, schedule
 from repertory.types import Episode
@@ -22,3 +23,14 @@ def play(
 @pytest.fixture
 def play_episodes():
     return play
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the command line; (exit status, stdout, stderr)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

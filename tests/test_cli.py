@@ -7,19 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli as run
 
-from repertory.cli import main
 from repertory.store import EpisodeStore
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_acceptance_tit_for_tat_vs_always_defect(capsys):

@@ -12,10 +12,10 @@ import json
 import math
 
 import pytest
+from conftest import run_cli as run
 
 from repertory import cli
 from repertory.agents import make_agent
-from repertory.cli import main
 from repertory.envs import env_class
 from repertory.eval import (
     IPD_STRATEGIES,
@@ -30,16 +30,6 @@ from repertory.eval import (
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat
 
 IPD_BOTS = ["always-cooperate", "always-defect", "tit-for-tat", "grim-trigger"]
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def bots_crossplay(env: str, names: list[str], episodes: int, seed: int = 0) -> CrossPlay:

@@ -450,10 +450,10 @@ def _round_advantages(
     matches: dict[tuple[str, str], set[int]] = {}
     for t in trajectories:
         matches.setdefault((t.env, t.group_id), set()).add(t.episode_index)
+    # Singleton crn groups pool the whole batch, still per seat and side (7.2).
+    groups = [t.group_id if len(matches[(t.env, t.group_id)]) > 1 else None for t in trajectories]
     pools: dict[tuple, list[tuple[int, list[float]]]] = {}
-    for i, t in enumerate(trajectories):
-        # Singleton crn groups pool the whole batch, still per seat and side (7.2).
-        group = t.group_id if len(matches[(t.env, t.group_id)]) > 1 else None
+    for i, (t, group) in enumerate(zip(trajectories, groups)):
         pools.setdefault((t.env, group, t.seat_id, "own"), []).append((t.episode_index, own[i]))
         pools.setdefault((t.env, group, t.opponent_seat_id, "opponent"), []).append((t.episode_index, opp[i]))
     advantages: dict[tuple, dict[int, list[float]]] = {}
@@ -463,8 +463,7 @@ def _round_advantages(
             raise RepertoryError(f"two trajectories of one match share the baseline pool {key}")
         advantages[key] = _leave_one_out(members, metrics, params.strict, key)
     out = []
-    for t in trajectories:
-        group = t.group_id if len(matches[(t.env, t.group_id)]) > 1 else None
+    for t, group in zip(trajectories, groups):
         a1 = advantages[(t.env, group, t.seat_id, "own")][t.episode_index]
         a2 = advantages[(t.env, group, t.opponent_seat_id, "opponent")][t.episode_index]
         out.append((a1, a2))
