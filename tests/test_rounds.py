@@ -28,12 +28,14 @@ from repertory.rounds import (
     kernel_split,
     logged_turns,
     rank_correlation,
+    read_logs,
     read_turns,
     replay,
     run_suite,
     transitions,
     write_turns,
 )
+from repertory.store import EpisodeStore, write_episodes
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.types import Message, RepertoryError
 
@@ -664,6 +666,39 @@ def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
     assert line["deploy/turns"] == 12 and "episodes" not in line  # nothing was deployed in round 0
     assert trainer.partner.calls == 0
     assert line["igrpo/gated_rate"] == 0.0  # user logs carry no game state: no gate
+
+
+def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_episodes):
+    store = EpisodeStore(tmp_path / "store")
+    demos = play_episodes("craigslist", ["bot", "bot"], episodes=3)
+    store.append(demos)
+    config = _config(
+        tmp_path,
+        "demos",
+        "rollout.env=craigslist",
+        "rollout.opponent=bot",
+        "rollout.constrained=false",
+        "rounds.method=mt-sft",
+        "rounds.sft_quantile=0",
+        f"rounds.logs={tmp_path / 'store'}",
+    )
+    trainer = start_run(config, tiny_model(tokenizer, seed=5))
+    turns, episodes = trainer.deploy(0)
+    vendor = [t for ep in demos for t in ep.trajectory("p0")]  # the trained seat of Craigslist
+    assert len(turns) == len(vendor) and [t.response for t in turns] == [t.text for t in vendor]
+    assert tokenizer.decode(turns[0].response_ids) == vendor[0].text + "<|im_end|>"
+    assert {t.policy_id for t in turns} == {"bot"} and trainer.partner.calls == 0
+    assert [ep.episode_id for ep in episodes] == [ep.episode_id for ep in demos]
+    assert (tmp_path / "demos" / "episodes" / "iter-000000.parquet").is_file()
+    metrics = trainer.improve(0, turns, {ep.episode_id: ep for ep in episodes})
+    assert metrics["sft/kept_turns"] > 0
+    single = tmp_path / "one.parquet"
+    write_episodes(single, demos[:1])
+    assert len(read_logs(single, trainer.env, tokenizer, 0.95)[0]) == len(demos[0].trajectory("p0"))
+    other = tmp_path / "other"
+    EpisodeStore(other).append(play_episodes("ipd", ["always-cooperate", "always-defect"]))
+    with pytest.raises(RepertoryError, match="is a game of ipd, not craigslist"):
+        read_logs(other, trainer.env, tokenizer, 0.95)
 
 
 @pytest.mark.slow

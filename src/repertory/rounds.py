@@ -45,7 +45,7 @@ from repertory.learner import Batch, PackedSequence, Sample, collect, token_batc
 from repertory.models import LoadedModel, load_model
 from repertory.report import ResultsTable, results_table
 from repertory.rollout import run_episodes
-from repertory.store import read_episodes, write_episodes, write_table
+from repertory.store import EpisodeStore, read_episodes, write_episodes, write_table
 from repertory.train import Trainer, rollout_metrics
 from repertory.types import Episode, Message, RepertoryError, derive
 
@@ -224,6 +224,66 @@ def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTur
             )
         )
     return out
+
+
+def demonstration_turns(episodes: list[Episode], env: type[Env], tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+    """Logged turns from any played episodes (bots, people, other models): the turns of the seat the policy
+    is trained in (the game's trained seat, or every seat where the game fixes none), each text rendered with
+    the policy's chat template, G_t from the turn rewards."""
+    out = []
+    for ep in episodes:
+        if ep.env != env.name:
+            raise RepertoryError(f"episode {ep.episode_id} is a game of {ep.env}, not {env.name}")
+        seats = [env.roles.index(env.default_trained_role)] if env.fixed_seat else range(len(ep.seats))
+        for index in seats:
+            seat = ep.seats[index]
+            own = ep.trajectory(seat.seat_id)
+            returns = algos.discounted_returns([turn.reward for turn in own], gamma)
+            for t, (turn, ret) in enumerate(zip(own, returns)):
+                messages = ep.prompt_messages(seat.seat_id, turn.turn_index)
+                prompt, response = _render(tokenizer, messages, turn.text)
+                out.append(
+                    LoggedTurn(
+                        ep.episode_id,
+                        ep.kernel_id,
+                        t,
+                        len(own) - 1,
+                        prompt,
+                        response,
+                        ep.result.roles[seat.name].outcome,
+                        ret,
+                        0,
+                        seat.seat_id,
+                        seat.agent,
+                        messages=messages,
+                        response=turn.text,
+                    )
+                )
+    return out
+
+
+def read_logs(path: str | Path, env: type[Env], tokenizer: Any, gamma: float) -> tuple[list[LoggedTurn], list[Episode]]:
+    """Round 0's logs: a logged-turns Parquet file, or played episodes — an episode file or an episode store
+    directory (``repertory play --out``) — whose trained seat's turns become the logged turns."""
+    path = Path(path)
+    if path.is_dir():
+        episodes, errors = EpisodeStore(path).load()
+        if errors:
+            raise RepertoryError("; ".join(map(str, errors)))
+        if not episodes:
+            raise RepertoryError(f"{path}: no episodes in this store")
+    elif path.is_file() and _is_episode_file(path):
+        episodes = read_episodes(path)
+    else:
+        return read_turns(path, tokenizer, gamma), []
+    return demonstration_turns(episodes, env, tokenizer, gamma), episodes
+
+
+def _is_episode_file(path: Path) -> bool:
+    try:
+        return "turns" in pq.read_schema(path).names
+    except (OSError, pa.ArrowException):
+        return False  # read_turns reports what is wrong with it
 
 
 def _render(tokenizer: Any, messages: list[Message], response: str) -> tuple[list[int], list[int]]:
@@ -724,7 +784,10 @@ class RoundsTrainer(Trainer):
         self._online("a deployment")
         rounds = self.config.rounds
         if round_index == 0 and rounds.logs:
-            return read_turns(rounds.logs, self.loaded.tokenizer, rounds.gamma), []
+            turns, episodes = read_logs(rounds.logs, self.env, self.loaded.tokenizer, rounds.gamma)
+            if episodes:  # kept with the run, so later rounds can replay them (ArCHer's buffer)
+                write_episodes(self.run_dir / "episodes" / "iter-000000.parquet", episodes)
+            return turns, episodes
         episodes = run_episodes(self.specs(round_index), self.config.rollout.max_concurrent)
         self.simulator_episodes += len(episodes)
         write_episodes(self.run_dir / "episodes" / f"iter-{round_index:06d}.parquet", episodes)
