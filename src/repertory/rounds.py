@@ -805,7 +805,7 @@ class RoundsTrainer(Trainer):
             raise RepertoryError(f"round {iteration}: no logged agent turns with tokens to learn from")
         write_turns(self.turns_path(iteration), turns)
         line["time/deploy_s"] = time.perf_counter() - start
-        if episodes:
+        if episodes and not (iteration == 0 and rounds.logs):  # a deployment's own outcome, not the logs'
             line.update(rollout_metrics(episodes))
         g0 = [first_return(convo, rounds.gamma) for convo in conversations(turns).values()]
         line["deploy/conversations"] = float(len(conversations(turns)))
@@ -1047,16 +1047,22 @@ class RoundsTrainer(Trainer):
             h_sa_pi = critic.encode([x.state + a for x, a in zip(batch, sampled)], target=True)
             y_v = critic.target.qs(h_s_bar, h_sa_pi)
         self.archer_optimizer.zero_grad(set_to_none=True)
-        h_s = critic.encode([x.state for x in batch])
-        h_sa = critic.encode([x.state + x.action for x in batch])
-        q = critic.heads.qs(h_s, h_sa)
-        v = critic.heads.values(h_s)
-        loss = sum(nn.functional.mse_loss(q[i], y_q[i]) + nn.functional.mse_loss(v[i], y_v[i]) for i in range(2))
-        loss.backward()
+        total = 0.0
+        # Each squared error is a mean over the batch, so micro-batches add up to the batch's gradient.
+        lengths = [len(x.state) + len(x.action) for x in batch]
+        for micro in token_batches(lengths, self.config.algo.micro_batch_tokens):
+            h_s = critic.encode([batch[i].state for i in micro])
+            h_sa = critic.encode([batch[i].state + batch[i].action for i in micro])
+            q, v = critic.heads.qs(h_s, h_sa), critic.heads.values(h_s)
+            loss = sum(
+                ((q[k] - y_q[k][micro]) ** 2).sum() + ((v[k] - y_v[k][micro]) ** 2).sum() for k in range(2)
+            ) / len(batch)
+            loss.backward()
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(critic.parameters_to_train(), self.config.algo.grad_clip)
         self.archer_optimizer.step()
         critic.soft_update(self.config.rounds.archer.tau)
-        return float(loss.detach())
+        return total
 
     def actor_step(self, states: list[list[int]], actions: list[list[int]]) -> tuple[float, list[float]]:
         """One actor update (6.4): -mean_s [A * sum of log pi(a_pi | s)], A = min(Q1, Q2)(s, a_pi) - min(V1, V2)(s)
