@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from repertory import algos
+from repertory.cli import main
 from repertory.config import QConfig, dump_config, load_config, load_suite
 from repertory.envs.base import Env
 from repertory.learner import collect
@@ -762,3 +763,21 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
     assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again
+
+
+def test_train_command_runs_a_suite(tmp_path, tokenizer, capsys):
+    model = tmp_path / "tiny"
+    tiny_model(tokenizer, seed=6).model.save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    recipe = tmp_path / "base.yaml"
+    config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=4")
+    recipe.write_text(dump_config(config).replace("name: unused\n", "name: null\n"))
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [mt-sft], envs: [ipd], output_dir: {tmp_path / 'grid'}}}\n"
+    )
+    main(["train", str(suite_file), "--set", f"model.name={model}", "--quiet"])
+    printed = capsys.readouterr().out
+    assert "suite: 1 runs (mt-sft-ipd-s0)" in printed and "| mt-sft |" in printed
+    assert load_config(str(tmp_path / "grid" / "mt-sft-ipd-s0" / "config.yaml")).model.name == str(model)
+    assert (tmp_path / "grid" / "table.csv").read_text().startswith("method,env,mean,se,seeds,checkpoint")
