@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from repertory.cli import main
-from repertory.config import TrainConfig, load_config, recipe_names
+from repertory.config import TrainConfig, load_config, load_suite, recipe_names
 from repertory.learner import collect
 from repertory.models import load_tokenizer, tiny_model
 from repertory.rollout import run_episodes
@@ -60,7 +60,8 @@ def test_shipped_recipes_load_and_include_the_required_ones():
     for required in ("default", "omar-trust-and-split", "omar-ipd", "ppo-ipd-vs-cooperator"):
         assert required in names
     for name in names:
-        assert isinstance(load_config(name), TrainConfig)
+        # a suite validates every run's config as it loads
+        assert load_suite(name) is not None or isinstance(load_config(name), TrainConfig)
     default = load_config("default")
     assert (default.algo.estimator, default.rollout.env, default.model.name) == ("omar", "ipd", "smollm2")
     assert default.model.lora.enabled
