@@ -745,10 +745,16 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
         load_suite(str(bad))
 
 
-def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenizer):
+def _suite_recipe(tmp_path):
+    """A tiny rounds recipe on disk for suites to start from."""
     recipe = tmp_path / "base.yaml"
     config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=4")
     recipe.write_text(dump_config(config).replace("name: unused\n", "name: null\n"))
+    return recipe
+
+
+def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenizer):
+    recipe = _suite_recipe(tmp_path)
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(
         f"suite: {{recipe: {recipe}, methods: [st-grpo, mt-sft], envs: [ipd], seeds: [0, 1], "
@@ -769,9 +775,7 @@ def test_train_command_runs_a_suite(tmp_path, tokenizer, capsys):
     model = tmp_path / "tiny"
     tiny_model(tokenizer, seed=6).model.save_pretrained(model)
     tokenizer.save_pretrained(model)
-    recipe = tmp_path / "base.yaml"
-    config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=4")
-    recipe.write_text(dump_config(config).replace("name: unused\n", "name: null\n"))
+    recipe = _suite_recipe(tmp_path)
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(
         f"suite: {{recipe: {recipe}, methods: [mt-sft], envs: [ipd], output_dir: {tmp_path / 'grid'}}}\n"

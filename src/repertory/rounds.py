@@ -45,7 +45,7 @@ from repertory.learner import Batch, PackedSequence, Sample, collect, token_batc
 from repertory.models import LoadedModel, load_model
 from repertory.report import ResultsTable, results_table
 from repertory.rollout import run_episodes
-from repertory.store import EpisodeStore, read_episodes, write_episodes, write_table
+from repertory.store import MESSAGE_TYPE, EpisodeStore, read_episodes, write_episodes, write_table
 from repertory.train import Trainer, rollout_metrics
 from repertory.types import Episode, Message, RepertoryError, derive
 
@@ -77,7 +77,6 @@ class LoggedTurn:
     response: str = ""
 
 
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 TURN_SCHEMA = pa.schema(
     [
         ("episode_id", pa.string()),
@@ -89,7 +88,7 @@ TURN_SCHEMA = pa.schema(
         ("round", pa.int32()),
         ("seat_id", pa.string()),
         ("policy_id", pa.string()),
-        ("messages", pa.list_(_MESSAGE)),
+        ("messages", pa.list_(MESSAGE_TYPE)),
         ("response", pa.string()),
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),

@@ -24,14 +24,14 @@ from repertory.types import Action, Episode, Kernel, Message, RepertoryError, Re
 
 SCHEMA_VERSION = "1"
 
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 _TURN = pa.struct(
     [
         ("seat_id", pa.string()),
         ("turn_index", pa.int32()),
         ("global_step", pa.int32()),
         ("game_round", pa.int32()),
-        ("observation", pa.list_(_MESSAGE)),
+        ("observation", pa.list_(MESSAGE_TYPE)),
         ("text", pa.string()),
         ("action_tag", pa.string()),
         ("action_value", pa.string()),
@@ -87,7 +87,7 @@ SCHEMA = pa.schema(
         ("end_reason", pa.string()),
         ("result_info", pa.string()),
         ("metrics", pa.list_(pa.struct([("name", pa.string()), ("value", pa.float64())]))),
-        ("final_observations", pa.list_(pa.struct([("seat_id", pa.string()), ("messages", pa.list_(_MESSAGE))]))),
+        ("final_observations", pa.list_(pa.struct([("seat_id", pa.string()), ("messages", pa.list_(MESSAGE_TYPE))]))),
     ],
     metadata={"repertory.schema_version": SCHEMA_VERSION},
 )
