@@ -7,15 +7,23 @@ import math
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 
 from repertory.cli import main
 from repertory.config import TrainConfig, load_config, load_suite, recipe_names
 from repertory.learner import collect
-from repertory.models import load_tokenizer, tiny_model
+from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.rollout import run_episodes
 from repertory.store import read_episodes
-from repertory.train import TIMING_PREFIXES, complete_checkpoints, resume_run, start_run
+from repertory.train import (
+    TIMING_PREFIXES,
+    complete_checkpoints,
+    load_policy,
+    resolve_checkpoint,
+    resume_run,
+    start_run,
+)
 from repertory.types import RepertoryError
 
 
@@ -236,6 +244,27 @@ def test_cli_train_then_eval(tmp_path, tiny_path, capsys):
     assert "outcome" in capsys.readouterr().out
     main(["eval", str(run_dir), "--episodes", "2", "--vs", f"model:{run_dir}", "--json"])
     assert json.loads(capsys.readouterr().out)["opponent"] == f"model:{run_dir}"
+
+
+def test_export_writes_the_merged_policy_as_a_plain_checkpoint(tmp_path, tiny_path, capsys):
+    run_dir = start_run(_config(tmp_path, "lora", "iterations=1", "eval.episodes=0", f"model.name={tiny_path}")).fit()
+    code, printed, _ = run_cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "exported"))
+    assert code == 0 and printed.strip() == str(tmp_path / "exported")
+    exported = load_model(str(tmp_path / "exported"), "cpu")
+    merged = load_policy(*resolve_checkpoint(run_dir), "cpu")
+    base = load_model(str(tiny_path), "cpu")
+    ids = torch.tensor([exported.tokenizer.encode("Alice: I cooperate. <C/>")])
+    with torch.no_grad():
+        logits = [m.model(ids).logits for m in (exported, merged, base)]
+    torch.testing.assert_close(logits[0], logits[1])
+    assert not torch.allclose(logits[0], logits[2])  # the trained adapter is in the weights
+    # the exported directory starts a new run like any checkpoint, and is never overwritten
+    exported_name = f"model.name={tmp_path / 'exported'}"
+    start_run(_config(tmp_path, "again", "iterations=1", "eval.episodes=0", exported_name)).fit()
+    code, _, err = run_cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "exported"))
+    assert code == 2 and "already exists and is not an empty directory" in err
+    code, _, err = run_cli(capsys, "export", str(tmp_path), "--out", str(tmp_path / "other"))
+    assert code == 2 and "neither a run directory" in err and not (tmp_path / "other").exists()
 
 
 def test_training_against_a_frozen_checkpoint_trains_only_the_live_seat(tmp_path, tokenizer, tiny_path):

@@ -755,6 +755,19 @@ def report(
         out.print(f"wrote {out_dir / 'table.md'} and {out_dir / 'table.csv'}")
 
 
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="A run directory (its newest complete checkpoint) or a checkpoint."),
+    out_dir: Path = typer.Option(..., "--out", help="A new directory for the Hugging Face checkpoint."),
+    device: str = typer.Option("cpu", "--device", help="Where to merge the adapter: cpu (float32) or cuda (bf16)."),
+) -> None:
+    """Write a trained policy as a plain Hugging Face checkpoint (LoRA merged into the base): start another run
+    from it (--set model.name=DIR), play it (--model DIR), or serve it with any Hugging Face tool."""
+    from repertory.train import export_policy
+
+    out.print(str(export_policy(run, out_dir, device)))
+
+
 bench_app = typer.Typer(help="Benchmarks: ours against a naive baseline and the hardware limit, in one run.")
 app.add_typer(bench_app, name="bench")
 

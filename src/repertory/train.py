@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -559,6 +560,28 @@ def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None
         return LoadedModel(merged, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
     loaded = load_model(str(policy), device or config.model.device)
     return LoadedModel(loaded.model, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+
+
+def export_policy(path: str | Path, out_dir: str | Path, device: str = "cpu") -> Path:
+    """Write a run's newest (or a given checkpoint's) policy as a plain Hugging Face checkpoint, LoRA merged into
+    the base, usable as ``model.name``, ``--model`` or by any Hugging Face tool. The directory appears whole or
+    not at all; an existing non-empty one is refused."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise RepertoryError(f"{out_dir} already exists and is not an empty directory; choose a new one")
+    checkpoint, config = resolve_checkpoint(path)
+    loaded = load_policy(checkpoint, config, device)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        loaded.model.save_pretrained(work, safe_serialization=True)
+        loaded.tokenizer.save_pretrained(work)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(work, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out_dir
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
