@@ -578,11 +578,18 @@ def expected_discounted_return(conversations: list[tuple[float, int]], gamma: fl
     return _mean([gamma**t * r for r, t in conversations])
 
 
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (unbiased std / sqrt(n)); SE 0 for a single value, both NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    return _mean(values), _std(values) / math.sqrt(len(values))
+
+
 def seed_summary(scores: list[float]) -> tuple[float, float]:
-    """Mean and standard error std / sqrt(n) of per-seed scores (5.7); SE 0 for a single seed."""
+    """Mean and standard error of per-seed scores (5.7); SE 0 for a single seed."""
     if not scores:
         raise RepertoryError("no seed scores to summarise")
-    return _mean(scores), _std(scores) / math.sqrt(len(scores))
+    return mean_se(scores)
 
 
 def format_mean_se(mean: float, se: float, digits: int = 2) -> str:

@@ -18,22 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from repertory.agents import Agent
+from repertory.algos import mean_se
 from repertory.envs import Env, env_class
 from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
 from repertory.types import Episode, RepertoryError, RoleResult
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error (unbiased std / sqrt(n); 0 when n < 2)."""
-    n = len(values)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
-
 
 DISCOUNT = 0.95
 """gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (environments.md 1.4)."""

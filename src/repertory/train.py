@@ -37,7 +37,7 @@ from repertory.agents.lm import LMAgent
 from repertory.bench import peak_rss_mb
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.envs import env_class, load_kernels
-from repertory.eval import DISCOUNT, agent_seat, evaluate, mean_metrics, mean_se, partner_outcome, seat_scores
+from repertory.eval import DISCOUNT, agent_seat, evaluate, mean_metrics, partner_outcome, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import LIVE_ADAPTER, Batch, Learner, collect
 from repertory.models import LoadedModel, load_model
@@ -642,11 +642,11 @@ class Exploitability:
 
     @property
     def gain(self) -> tuple[float, float]:
-        return mean_se([r.gain for r in self.runs])
+        return algos.mean_se([r.gain for r in self.runs])
 
     @property
     def loss(self) -> tuple[float, float]:
-        return mean_se([r.loss for r in self.runs])
+        return algos.mean_se([r.loss for r in self.runs])
 
     @property
     def exploitable(self) -> bool:
