@@ -25,6 +25,7 @@ from repertory.rounds import (
     RoundsTrainer,
     Transition,
     conversations,
+    first_return,
     fit_q,
     kernel_split,
     logged_turns,
@@ -36,7 +37,7 @@ from repertory.rounds import (
     transitions,
     write_turns,
 )
-from repertory.store import EpisodeStore, write_episodes
+from repertory.store import EpisodeStore, read_episodes, write_episodes
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.types import Message, RepertoryError
 
@@ -200,6 +201,7 @@ def _ids_row(**fields):
         ([_ids_row(t=None)], "row 0: t is empty"),
         ([_ids_row(kernel_id=None)], "row 0: kernel_id is empty"),
         ([_ids_row(), _ids_row()], "episode 'e' logs the same turn t twice"),
+        ([_ids_row(seat_id="p1"), _ids_row(seat_id="p1")], "episode 'e' seat 'p1' logs the same turn t twice"),
         ([_ids_row(), _ids_row(t=1, kernel_id="other")], "episode 'e' has more than one kernel_id"),
         ([_ids_row(), _ids_row(t=1, outcome=0.5)], "episode 'e' has more than one outcome"),
         ([_ids_row(ret=float("nan"))], "row 0: ret must be a finite number"),
@@ -590,7 +592,21 @@ def test_archer_rounds_run_and_resume_with_their_critic(tmp_path, tokenizer):
 def test_conversations_group_turns_in_order():
     turns = [_turn("b", "k", 1, 1, 0.8), _turn("a", "k", 0, 0, 0.5), _turn("b", "k", 0, 1, 0.76)]
     grouped = conversations(turns)
-    assert list(grouped) == ["a", "b"] and [t.t for t in grouped["b"]] == [0, 1]
+    assert list(grouped) == [("a", "p0"), ("b", "p0")] and [t.t for t in grouped["b", "p0"]] == [0, 1]
+
+
+def test_both_seats_of_a_self_play_episode_are_two_conversations(tmp_path, tokenizer):
+    rows = [
+        _ids_row(seat_id="p0", outcome=1.0),
+        _ids_row(seat_id="p0", t=1, outcome=1.0),
+        _ids_row(seat_id="p1", outcome=0.2),
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "two.parquet")
+    turns = read_turns(tmp_path / "two.parquet", tokenizer, 0.5)
+    assert [(t.seat_id, t.t, t.T, t.ret) for t in turns] == [("p0", 0, 1, 0.5), ("p0", 1, 1, 1.0), ("p1", 0, 0, 0.2)]
+    grouped = conversations(turns)
+    assert list(grouped) == [("e", "p0"), ("e", "p1")]
+    assert [first_return(c, 0.5) for c in grouped.values()] == [0.5, 0.2]
 
 
 # the trainer
@@ -743,6 +759,14 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
     bad.write_text("suite: {recipe: igrpo-craigslist, methods: [], envs: [craigslist]}\n")
     with pytest.raises(RepertoryError, match="suite.methods"):
         load_suite(str(bad))
+    bad.write_text(
+        "suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], set: [rollout.opponent=base], "
+        "warm_start: {episodes: 4}}\n"
+    )
+    with pytest.raises(
+        RepertoryError, match="the partner on craigslist is 'base'; set rollout.opponent to one of: bot"
+    ):
+        load_suite(str(bad))
 
 
 def _suite_recipe(tmp_path):
@@ -769,6 +793,40 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
     assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again
+
+
+def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_from_it(tmp_path, tokenizer):
+    model = tmp_path / "tiny"
+    tiny_model(tokenizer, seed=6).model.save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    recipe, grid = _suite_recipe(tmp_path), tmp_path / "grid"
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [st-grpo], envs: [ipd], seeds: [0, 1], output_dir: {grid}, "
+        f"set: [model.name={model}], warm_start: {{episodes: 3, epochs: 1}}}}\n"
+    )
+    suite = load_suite(str(suite_file))
+    started = []
+    table = run_suite(suite, on_run=lambda n, t: started.append(n))
+    assert started == ["warm-ipd", "st-grpo-ipd-s0", "st-grpo-ipd-s1"]
+    demos = read_episodes(grid / "warm-ipd-demos.parquet")
+    assert len(demos) == 3 and {s.policy_id for ep in demos for s in ep.seats} == {"scripted:always-cooperate"}
+    warm = load_config(str(grid / "warm-ipd" / "config.yaml"))
+    assert (warm.rounds.method, warm.rounds.logs, warm.iterations) == (
+        "mt-sft",
+        str(grid / "warm-ipd-demos.parquet"),
+        1,
+    )
+    logged = read_turns(grid / "warm-ipd" / "rounds" / "turns-000000.parquet", tokenizer, 0.95)
+    imitated = {tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in logged}
+    assert len(logged) == 3 * 2 * 10 and imitated == {"<choose>A</choose>"}  # both seats: ipd fixes none
+    for seed in (0, 1):
+        run = load_config(str(grid / f"st-grpo-ipd-s{seed}" / "config.yaml"))
+        assert run.model.name == str(grid / "warm-ipd-model")
+    assert table.methods == ["base", "st-grpo"]  # the warm start is the base row, not a method of the grid
+    again = []
+    run_suite(suite, on_run=lambda n, t: again.append(n))
+    assert again == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]  # warm start and runs are done: nothing retrains
 
 
 def test_train_command_runs_a_suite(tmp_path, tokenizer, capsys):

@@ -363,6 +363,11 @@ def _train_suite(suite, quiet: bool) -> None:
 
     names = [name for name, _ in suite_runs(suite)]
     out.print(f"suite: {len(names)} runs ({', '.join(names)}) -> {suite.output_dir}")
+    if suite.warm_start is not None:
+        out.print(
+            f"warm start per environment: {suite.warm_start.episodes} bot-vs-bot demonstrations, "
+            f"{suite.warm_start.epochs} mt-sft epochs, then every run of the environment starts from it"
+        )
     current = {"name": ""}
 
     def on_run(name, trainer) -> None:

@@ -280,6 +280,17 @@ class TrainConfig(_Section):
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
 
 
+class WarmStartConfig(_Section):
+    """Before a suite's grid, per environment: the partner bot plays both seats on train kernels, one ``mt-sft``
+    round imitates the trained seat's turns, and the result is exported; every run of that environment starts
+    from it. A small model that never writes the games' action tags learns them here, so the grid's rounds
+    have outcomes to learn from."""
+
+    episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations per environment.")
+    epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
+    lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")
+
+
 class SuiteConfig(_Section):
     """A grid of runs (a recipe file whose top-level key is ``suite``): every method x environment x seed starts
     from ``recipe`` with ``set`` applied, then the table of algorithms.md 5.7 is built from the runs."""
@@ -290,6 +301,33 @@ class SuiteConfig(_Section):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
     output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
+    warm_start: WarmStartConfig | None = Field(
+        None, description="Imitate the partner bot once per environment before the grid (see WarmStartConfig)."
+    )
+
+    def warm_demos(self, env: str) -> Path:
+        """The warm start's bot-vs-bot episodes of ``env``."""
+        return Path(self.output_dir) / f"warm-{env}-demos.parquet"
+
+    def warm_model(self, env: str) -> Path:
+        """The exported warm-started policy every run of ``env`` starts from."""
+        return Path(self.output_dir) / f"warm-{env}-model"
+
+    def warm_overrides(self, env: str) -> list[str]:
+        """The warm-start run of ``env``: one mt-sft round on every demonstration, then a held-out evaluation."""
+        assert self.warm_start is not None
+        return [
+            *self.set,
+            f"rollout.env={env}",
+            "iterations=1",
+            "rounds.method=mt-sft",
+            f"rounds.logs={self.warm_demos(env)}",
+            "rounds.sft_quantile=0",
+            f"rounds.epochs={self.warm_start.epochs}",
+            f"algo.lr={self.warm_start.lr}",
+            f"output_dir={self.output_dir}",
+            f"name=warm-{env}",
+        ]
 
 
 class _SuiteFile(_Section):
@@ -403,9 +441,18 @@ def load_suite(recipe: str) -> SuiteConfig | None:
         suite = _SuiteFile.model_validate(loaded).suite
     except ValidationError as err:
         raise RepertoryError(_describe(err, source, _SuiteFile)) from None
-    for method in suite.methods:
-        for env in suite.envs:
+    for env in suite.envs:
+        for method in suite.methods:
             load_config(suite.recipe, [*suite.set, f"rounds.method={method}", f"rollout.env={env}"])
+        if suite.warm_start is not None:
+            from repertory.envs import env_class
+
+            partner = load_config(suite.recipe, suite.warm_overrides(env)).rollout.opponent
+            if partner not in env_class(env).bots:
+                raise RepertoryError(
+                    f"{source}: suite.warm_start imitates the partner bot, but the partner on {env} is {partner!r}; "
+                    f"set rollout.opponent to one of: {', '.join(env_class(env).bots)}"
+                )
     return suite
 
 

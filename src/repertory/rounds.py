@@ -167,16 +167,17 @@ def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTur
         for column in REQUIRED_COLUMNS:
             if row[column] is None:
                 raise RepertoryError(f"{path}, row {n}: {column} is empty")
-    episodes: dict[str, list[int]] = {}
+    episodes: dict[tuple[str, str], list[int]] = {}
     for n, row in enumerate(rows):
-        episodes.setdefault(str(row["episode_id"]), []).append(n)
-    for episode_id, members in episodes.items():
+        episodes.setdefault((str(row["episode_id"]), row.get("seat_id") or "p0"), []).append(n)
+    for (episode_id, seat_id), members in episodes.items():
+        where = f"{path}: episode {episode_id!r}" + (f" seat {seat_id!r}" if "seat_id" in columns else "")
         for column in ("kernel_id", "outcome"):
             if len({rows[n][column] for n in members}) > 1:
-                raise RepertoryError(f"{path}: episode {episode_id!r} has more than one {column}")
+                raise RepertoryError(f"{where} has more than one {column}")
         ts = [int(rows[n]["t"]) for n in members]
         if len(set(ts)) < len(ts):
-            raise RepertoryError(f"{path}: episode {episode_id!r} logs the same turn t twice")
+            raise RepertoryError(f"{where} logs the same turn t twice")
     vocabulary = len(tokenizer)
     out = []
     for n, row in enumerate(rows):
@@ -187,7 +188,7 @@ def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTur
         T = (
             int(row["T"])
             if row.get("T") is not None
-            else max(int(rows[k]["t"]) for k in episodes[str(row["episode_id"])])
+            else max(int(rows[k]["t"]) for k in episodes[str(row["episode_id"]), row.get("seat_id") or "p0"])
         )
         t = int(row["t"])
         if not 0 <= t <= T:
@@ -317,11 +318,21 @@ def group_key(turn: LoggedTurn) -> str:
     return f"{turn.kernel_id}/{turn.seat_id}"
 
 
-def conversations(turns: list[LoggedTurn]) -> dict[str, list[LoggedTurn]]:
+Conversation = tuple[str, str]
+"""One seat's side of one logged episode: (episode id, seat id). Both seats of a self-play game are logged,
+each its own conversation with its own outcome."""
+
+
+def conversation_of(turn: LoggedTurn) -> Conversation:
+    """The conversation a logged turn belongs to."""
+    return turn.episode_id, turn.seat_id
+
+
+def conversations(turns: list[LoggedTurn]) -> dict[Conversation, list[LoggedTurn]]:
     """Turns grouped by conversation, in turn order."""
-    out: dict[str, list[LoggedTurn]] = {}
-    for turn in sorted(turns, key=lambda x: (x.episode_id, x.t)):
-        out.setdefault(turn.episode_id, []).append(turn)
+    out: dict[Conversation, list[LoggedTurn]] = {}
+    for turn in sorted(turns, key=lambda x: (x.episode_id, x.seat_id, x.t)):
+        out.setdefault(conversation_of(turn), []).append(turn)
     return out
 
 
@@ -942,18 +953,16 @@ class RoundsTrainer(Trainer):
     def improve_st_grpo(self, round_index: int, turns: list[LoggedTurn], epochs: int) -> dict[str, float]:
         """ST-GRPO (6.6): each logged conversation is one sample with reward G_0, grouped by kernel (and seat)."""
         convos, gamma = conversations(turns), self.config.rounds.gamma
-        by_kernel: dict[str, list[str]] = {}
-        for episode_id, convo in convos.items():
-            by_kernel.setdefault(group_key(convo[0]), []).append(episode_id)
-        advantage: dict[str, float] = {}
+        by_kernel: dict[str, list[Conversation]] = {}
+        for key, convo in convos.items():
+            by_kernel.setdefault(group_key(convo[0]), []).append(key)
+        advantage: dict[Conversation, float] = {}
         for members in by_kernel.values():
-            for episode_id, a in zip(
-                members, algos.candidate_advantages([first_return(convos[e], gamma) for e in members])
-            ):
-                advantage[episode_id] = a
+            for key, a in zip(members, algos.candidate_advantages([first_return(convos[e], gamma) for e in members])):
+                advantage[key] = a
         flat = [t for convo in convos.values() for t in convo]
         batch, adv = _single_turn_batch(
-            [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[t.episode_id] for t in flat]
+            [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[conversation_of(t)] for t in flat]
         )
         self.learner.score(batch)
         mini = max(1, math.ceil(len(batch.sequences) / self.config.rounds.batch_size))
@@ -1102,7 +1111,7 @@ class RoundsTrainer(Trainer):
         if not samples:
             metrics["kto/skipped"] = 1.0
             return metrics
-        desirable = [bool(label_of[t.episode_id]) for t in samples]
+        desirable = [bool(label_of[conversation_of(t)]) for t in samples]
         n_d, n_u = sum(desirable), len(desirable) - sum(desirable)
         lambda_d, lambda_u = algos.kto_lambdas(n_d, n_u)
         metrics.update({"kto/desirable": float(n_d), "kto/undesirable": float(n_u), "kto/lambda_d": lambda_d})
@@ -1174,8 +1183,46 @@ def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
             for seed in suite.seeds:
                 name = f"{method}-{env}-s{seed}"
                 overrides = [*suite.set, f"rounds.method={method}", f"rollout.env={env}", f"seed={seed}"]
+                if suite.warm_start is not None:
+                    overrides.append(f"model.name={suite.warm_model(env)}")
                 out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
     return out
+
+
+def warm_start(
+    suite: SuiteConfig,
+    env: str,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_run: Callable[[str, Trainer], None] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """The suite's warm start of ``env`` (see WarmStartConfig): bot-vs-bot demonstrations, one mt-sft round on
+    them, the policy exported. Each step is skipped when its output exists, so an interrupted suite resumes."""
+    from repertory.agents import make_agent
+    from repertory.envs import env_class
+    from repertory.rollout import run_episodes, schedule
+    from repertory.store import write_episodes
+    from repertory.train import export_policy, resume_run, start_run
+
+    assert suite.warm_start is not None
+    model_dir = suite.warm_model(env)
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    config = load_config(suite.recipe, suite.warm_overrides(env))
+    demos = suite.warm_demos(env)
+    if not demos.is_file():
+        cls = env_class(env)
+        bots = [make_agent(config.rollout.opponent, cls) for _ in cls.roles]
+        demos.parent.mkdir(parents=True, exist_ok=True)
+        write_episodes(demos, run_episodes(schedule(env, bots, suite.warm_start.episodes, config.seed, "train")))
+    run_dir = Path(suite.output_dir) / f"warm-{env}"
+    model = loaded() if loaded is not None else None
+    trainer = resume_run(run_dir, loaded=model) if (run_dir / "config.yaml").is_file() else start_run(config, model)
+    if on_run is not None:
+        on_run(run_dir.name, trainer)
+    if trainer.iteration < trainer.config.iterations:
+        trainer.fit(on_line)
+    return export_policy(run_dir, model_dir, config.model.device or "cpu")
 
 
 def run_suite(
@@ -1189,9 +1236,15 @@ def run_suite(
     from repertory.train import resume_run, start_run
 
     runs = []
+    warmed: set[str] = set()
     for name, overrides in suite_runs(suite):
         run_dir = Path(suite.output_dir) / name
-        model = loaded() if loaded is not None else None
+        env = load_config(suite.recipe, overrides).rollout.env
+        if suite.warm_start is not None and env not in warmed:
+            warm_start(suite, env, loaded, on_run, on_line)
+            warmed.add(env)
+        # Warm-started runs load their environment's exported policy, not the caller's model.
+        model = loaded() if loaded is not None and suite.warm_start is None else None
         if (run_dir / "config.yaml").is_file():
             trainer = resume_run(run_dir, loaded=model)
         else:
