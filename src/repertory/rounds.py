@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from repertory import algos
+from repertory.agents.lm import chat_prompt_ids
 from repertory.config import QConfig, SuiteConfig, TrainConfig, load_config
 from repertory.envs import Env, make
 from repertory.generation import Generation, TokenTrie
@@ -289,9 +290,7 @@ def _is_episode_file(path: Path) -> bool:
 def _render(tokenizer: Any, messages: list[Message], response: str) -> tuple[list[int], list[int]]:
     """Prompt ids as the policy samples them (chat template, generation prompt) and the response ids
     closed by the end-of-turn token, as a sampled response ends."""
-    chat = [{"role": m.role, "content": m.content} for m in messages]
-    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    prompt = chat_prompt_ids(tokenizer, messages)
     response_ids = tokenizer.encode(response, add_special_tokens=False)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
     return prompt, response_ids + ([end] if end is not None else [tokenizer.eos_token_id])

@@ -9,12 +9,13 @@ so several agents — a live policy and frozen snapshots, or adapters later — 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from repertory.agents import LMOptions, Request, Response
 from repertory.envs.parsing import clean
 from repertory.generation import HFBackend, SamplingParams
 from repertory.models import EMBEDDED, load_model
-from repertory.types import derive
+from repertory.types import Message, derive
 
 _BACKENDS: dict[tuple[str, str | None], HFBackend] = {}
 
@@ -25,6 +26,14 @@ def shared_backend(model: str = EMBEDDED, device: str | None = None) -> HFBacken
     if key not in _BACKENDS:
         _BACKENDS[key] = HFBackend(load_model(model, device))
     return _BACKENDS[key]
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """A chat rendered with the tokenizer's chat template, ready for the assistant turn (what a policy samples
+    from, and what logged turns are rendered to)."""
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 class LMAgent:
@@ -48,9 +57,7 @@ class LMAgent:
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The seat's chat rendered with the model's chat template, ready for the assistant turn."""
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        encoded = self.backend.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return chat_prompt_ids(self.backend.tokenizer, request.messages)
 
     def act(self, requests: list[Request]) -> list[Response]:
         prompts = [self.prompt_ids(r) for r in requests]
