@@ -38,16 +38,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from repertory import algos
+from repertory.agents import make_agent
 from repertory.agents.lm import chat_prompt_ids
 from repertory.config import QConfig, SuiteConfig, TrainConfig, load_config
-from repertory.envs import Env, make
+from repertory.envs import Env, env_class, make
 from repertory.generation import Generation, TokenTrie
 from repertory.learner import Batch, PackedSequence, Sample, collect, token_batches
 from repertory.models import LoadedModel, load_model
 from repertory.report import ResultsTable, results_table
-from repertory.rollout import run_episodes
+from repertory.rollout import run_episodes, schedule
 from repertory.store import MESSAGE_TYPE, EpisodeStore, read_episodes, write_episodes, write_table
-from repertory.train import Trainer, rollout_metrics
+from repertory.train import Trainer, export_policy, resume_run, rollout_metrics, start_run
 from repertory.types import Episode, Message, RepertoryError, derive
 
 DEFAULT_EPOCHS = {"igrpo": 1, "st-grpo": 2, "mt-sft": 2, "mt-kto": 1, "mt-ppo": 4, "archer": 1, "archer-lc": 1}
@@ -1197,12 +1198,6 @@ def warm_start(
 ) -> Path:
     """The suite's warm start of ``env`` (see WarmStartConfig): bot-vs-bot demonstrations, one mt-sft round on
     them, the policy exported. Each step is skipped when its output exists, so an interrupted suite resumes."""
-    from repertory.agents import make_agent
-    from repertory.envs import env_class
-    from repertory.rollout import run_episodes, schedule
-    from repertory.store import write_episodes
-    from repertory.train import export_policy, resume_run, start_run
-
     assert suite.warm_start is not None
     model_dir = suite.warm_model(env)
     if (model_dir / "config.json").is_file():
@@ -1232,8 +1227,6 @@ def run_suite(
 ) -> ResultsTable:
     """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
     so rerunning the suite continues it — then write ``table.md`` and ``table.csv`` into the output directory."""
-    from repertory.train import resume_run, start_run
-
     runs = []
     warmed: set[str] = set()
     for name, overrides in suite_runs(suite):
