@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from repertory.agents import make_agent
 from repertory.cli import main
 from repertory.envs import env_class
+from repertory.models import save_checkpoint, tiny_model
 from repertory.rollout import run_episodes, schedule
 from repertory.types import Episode
 
@@ -34,3 +38,8 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = exc.code or 0
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def tiny_checkpoint(directory: Path, tokenizer: PreTrainedTokenizerBase, seed: int) -> Path:
+    """A tiny random model saved as a Hugging Face checkpoint directory (for ``--model`` and ``model.name``)."""
+    return save_checkpoint(tiny_model(tokenizer, seed=seed).model, tokenizer, directory)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory import algos
@@ -329,11 +330,7 @@ def test_x1_exploiter_gain_and_victim_loss():
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    loaded = tiny_model(tokenizer, seed=0)
-    loaded.model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tokenizer, seed=0)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_checkpoint
 
 from repertory.agents import LMOptions, Request, make_agent
 from repertory.agents.lm import LMAgent
@@ -184,7 +185,22 @@ def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
         models._embedded_checkpoint()
-    assert list((tmp_path / "models").iterdir()) == []
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_a_checkpoint_appears_whole_or_not_at_all(tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    saved = tiny_checkpoint(tmp_path / "empty", tokenizer, seed=3)
+    assert (saved / "config.json").is_file() and (saved / "model.safetensors").is_file()
+    assert load_model(str(saved), device="cpu").model.config.num_hidden_layers == 2
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_checkpoint(tmp_path / "never", tokenizer, seed=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # neither the target nor the temporary copy
 
 
 def test_model_path_must_be_a_checkpoint(tmp_path):
@@ -195,9 +211,7 @@ def test_model_path_must_be_a_checkpoint(tmp_path):
 def test_play_with_a_local_checkpoint(tokenizer, tmp_path, capsys):
     from repertory.cli import main
 
-    tiny = tiny_model(tokenizer, seed=5)
-    tiny.model.save_pretrained(tmp_path / "ckpt")
-    tokenizer.save_pretrained(tmp_path / "ckpt")
+    tiny_checkpoint(tmp_path / "ckpt", tokenizer, seed=5)
     args = ["play", "ipd", "-a", "model,tit-for-tat", "--model", str(tmp_path / "ckpt"), "--constrained", "--json"]
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--max-new-tokens", "0"])
@@ -210,9 +224,7 @@ def test_play_with_a_local_checkpoint(tokenizer, tmp_path, capsys):
 
 
 def test_lm_options_reach_the_agent(tokenizer, tmp_path):
-    tiny = tiny_model(tokenizer, seed=6)
-    tiny.model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
+    tiny_checkpoint(tmp_path / "m", tokenizer, seed=6)
     options = LMOptions(model=str(tmp_path / "m"), temperature=0.5, max_new_tokens=7, constrained=True, seed=9)
     agent = make_agent("model", env_class("ipd"), options)
     assert (agent.params.temperature, agent.params.max_new_tokens, agent.constrained, agent.seed) == (0.5, 7, True, 9)
@@ -265,9 +277,7 @@ def test_generation_stops_once_the_environment_would_cut_the_text(backend):
 def test_bench_rollout_reports_ours_naive_and_limit(tokenizer, tmp_path, capsys):
     from repertory.cli import main
 
-    tiny = tiny_model(tokenizer, seed=8)
-    tiny.model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
+    tiny_checkpoint(tmp_path / "m", tokenizer, seed=8)
     main(
         ["bench", "rollout", "--model", str(tmp_path / "m"), "-e", "ipd", "-n", "2", "--max-new-tokens", "4", "--json"]
     )

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory import algos
@@ -796,9 +797,7 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
 
 
 def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_from_it(tmp_path, tokenizer):
-    model = tmp_path / "tiny"
-    tiny_model(tokenizer, seed=6).model.save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = tiny_checkpoint(tmp_path / "tiny", tokenizer, seed=6)
     recipe, grid = _suite_recipe(tmp_path), tmp_path / "grid"
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(
@@ -830,9 +829,7 @@ def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_fro
 
 
 def test_train_command_runs_a_suite(tmp_path, tokenizer, capsys):
-    model = tmp_path / "tiny"
-    tiny_model(tokenizer, seed=6).model.save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    model = tiny_checkpoint(tmp_path / "tiny", tokenizer, seed=6)
     recipe = _suite_recipe(tmp_path)
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(

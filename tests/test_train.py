@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory.cli import main
@@ -35,11 +35,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory, tokenizer):
     """A tiny random checkpoint on disk, for the command line."""
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    loaded = tiny_model(tokenizer, seed=11)
-    loaded.model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tokenizer, seed=11)
 
 
 def _config(tmp_path, name, *extra):

@@ -74,25 +74,35 @@ def _embedded_checkpoint() -> Path:
     target = cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
     if (target / "model.safetensors").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     print(f"converting the embedded model once into {target} (about a minute)", file=sys.stderr)
-    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return save_checkpoint(model, tokenizer, target)
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> Path:
+    """Save ``model`` and ``tokenizer`` as a Hugging Face checkpoint directory that appears whole or not at all
+    (written beside it, then renamed into place). An empty ``directory`` is replaced; if another process
+    finished a checkpoint there first, that one is kept."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
         try:
-            os.replace(work, target)
+            os.replace(work, directory)
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not (directory / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return target
+    return directory
 
 
 def _dtype_for(device: torch.device) -> torch.dtype:

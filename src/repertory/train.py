@@ -21,7 +21,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -40,7 +39,7 @@ from repertory.envs import env_class, load_kernels
 from repertory.eval import DISCOUNT, agent_seat, evaluate, mean_metrics, partner_outcome, seat_scores
 from repertory.generation import HFBackend, SamplingParams
 from repertory.learner import LIVE_ADAPTER, Batch, Learner, collect
-from repertory.models import LoadedModel, load_model
+from repertory.models import LoadedModel, load_model, save_checkpoint
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
 from repertory.store import write_episodes
@@ -571,17 +570,7 @@ def export_policy(path: str | Path, out_dir: str | Path, device: str = "cpu") ->
         raise RepertoryError(f"{out_dir} already exists and is not an empty directory; choose a new one")
     checkpoint, config = resolve_checkpoint(path)
     loaded = load_policy(checkpoint, config, device)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
-        loaded.model.save_pretrained(work, safe_serialization=True)
-        loaded.tokenizer.save_pretrained(work)
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(work, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out_dir
+    return save_checkpoint(loaded.model, loaded.tokenizer, out_dir)
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
