@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -372,10 +373,10 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     monkeypatch.setattr(
         trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {"kl": 0.0}
     )
-    trainer.improve_igrpo(0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped at all
+    metrics = trainer.improve_igrpo(0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
     assert trainer.partner.calls == calls
     n = trainer.config.rounds.candidates
-    states = 0
+    states, spreads = 0, []
     for batch, adv in captured:
         samples = batch.samples
         assert len(samples) % n == 0
@@ -385,8 +386,10 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
             scores = [q_of[tuple(s.prompt_ids + s.response_ids)] for s in group]
             expected = algos.candidate_advantages(scores)
             assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(expected, abs=1e-6)
+            spreads.append(statistics.stdev(scores))
             states += 1
     assert states == len(turns)
+    assert metrics["igrpo/candidate_q_std"] == pytest.approx(sum(spreads) / len(spreads))
     assert len({tuple(s.prompt_ids) for b, _ in captured for s in b.samples}) == len(
         {tuple(t.prompt_ids) for t in turns}
     )

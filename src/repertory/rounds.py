@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -902,6 +903,7 @@ class RoundsTrainer(Trainer):
         sums: dict[str, float] = {}
         steps = gated = candidates = 0
         rewards_all: list[float] = []
+        spreads: list[float] = []
         for epoch in range(epochs):
             order = list(range(len(turns)))
             random.Random(derive(self.config.seed, round_index, epoch, "igrpo")).shuffle(order)
@@ -921,10 +923,12 @@ class RoundsTrainer(Trainer):
                 gated += valid.count(False)
                 candidates += len(generations)
                 rewards_all += rewards
+                groups = [rewards[j * n : (j + 1) * n] for j in range(len(states))]
+                spreads += [statistics.stdev(group) if n > 1 else 0.0 for group in groups]
                 advantages = [
                     a
-                    for j in range(len(states))
-                    for a in algos.candidate_advantages(rewards[j * n : (j + 1) * n], valid[j * n : (j + 1) * n])
+                    for j, group in enumerate(groups)
+                    for a in algos.candidate_advantages(group, valid[j * n : (j + 1) * n])
                 ]
                 batch, adv = _single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
                 if not batch.sequences:
@@ -938,6 +942,8 @@ class RoundsTrainer(Trainer):
         metrics["igrpo/steps"] = float(steps)
         metrics["igrpo/states"] = float(len(turns) * epochs)
         metrics["igrpo/candidate_q"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
+        # Advantages divide by this spread: near 0, they amplify the Q-function's noise to unit scale.
+        metrics["igrpo/candidate_q_std"] = sum(spreads) / len(spreads) if spreads else 0.0
         metrics["igrpo/gated_rate"] = gated / candidates if candidates else 0.0
         return metrics
 
