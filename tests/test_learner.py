@@ -10,7 +10,7 @@ import torch
 from repertory.agents.lm import LMAgent
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation import HFBackend, SamplingParams
-from repertory.learner import Learner, collect
+from repertory.learner import Batch, Learner, PackedSequence, Sample, collect, model_inputs, shared_prompt
 from repertory.models import load_tokenizer, tiny_model
 from repertory.rollout import run_episodes, schedule
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn
@@ -139,6 +139,64 @@ def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes)
     assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
     assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
     assert torch.allclose(w1, w2, atol=1e-5)
+
+
+def test_a_shared_prompt_tree_sees_only_its_ancestors():
+    tree = shared_prompt([1, 2, 3], [(0, [4, 5]), (1, [6]), (2, [])])
+    assert tree.input_ids == [1, 2, 3, 4, 5, 6]
+    assert tree.parents == [-1, 0, 1, 2, 3, 2]
+    assert tree.spans == [(0, 3), (1, 5), (2, 6)]
+    assert tree.predecessors(3, 2) == [2, 3] and tree.predecessors(5, 1) == [2]
+    inputs = model_inputs([tree, PackedSequence([7, 8], [])], 0, torch.device("cpu"), torch.float32)
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 0, 0, 0, 0]]
+    sees = inputs["attention_mask"][:, 0] == 0
+    assert sees[0, 5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # the second response never sees the first
+    assert sees[0, 4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert sees[1, 1].nonzero().flatten().tolist() == [0, 1] and sees[1, 4].nonzero().flatten().tolist() == [4]
+
+
+def test_candidates_sharing_one_prompt_give_the_same_log_probs_values_and_update(tokenizer):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    responses = [[torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 5, 1)] for _ in prompts]
+    samples = [Sample(0, 0, p, r, [], True) for p, rs in zip(prompts, responses) for r in rs]
+    trees = [
+        shared_prompt(p, [(3 * j + c, r) for c, r in enumerate(rs)])
+        for j, (p, rs) in enumerate(zip(prompts, responses))
+    ]
+    layouts = {
+        "separate": [
+            PackedSequence(s.prompt_ids + s.response_ids, [(i, len(s.prompt_ids))]) for i, s in enumerate(samples)
+        ],
+        # two trees and a chain in one padded micro-batch: padding and a chain beside trees must not leak
+        "tree": trees[:2]
+        + [
+            PackedSequence(s.prompt_ids + s.response_ids, [(i, len(s.prompt_ids))])
+            for i, s in enumerate(samples)
+            if i >= 6
+        ],
+    }
+    results = {}
+    for name, sequences in layouts.items():
+        learner = _learner(tokenizer, mini_batches=1, lr=1e-2)
+        batch = Batch([], samples, sequences)
+        learner.score(batch)
+        advantages = {i: torch.full((s.n_tokens,), 0.2 * (i % 4 - 1.5)) for i, s in enumerate(samples)}
+        returns = {i: torch.full((s.n_tokens,), 0.1 * (i % 3)) for i, s in enumerate(samples)}
+        stats = learner.update(batch, advantages, returns, iteration=0)
+        weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
+        results[name] = (batch, stats, weights)
+    (b1, s1, w1), (b2, s2, w2) = results["separate"], results["tree"]
+    assert sorted(b2.logp_old) == list(range(9))
+    for i in range(9):
+        assert torch.allclose(b1.logp_old[i], b2.logp_old[i], atol=1e-5)
+        assert torch.allclose(b1.logp_ref[i], b2.logp_ref[i], atol=1e-5)
+        assert torch.allclose(b1.values[i], b2.values[i], atol=1e-5)
+    assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
+    assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
+    assert torch.allclose(w1, w2, atol=1e-5)
+    initial = torch.cat([p.detach().flatten() for p in _learner(tokenizer).trainable_parameters()])
+    assert float((w1 - initial).abs().max()) > 1e-4  # the update did move the weights
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")

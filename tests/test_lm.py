@@ -61,6 +61,20 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, token
     assert [g.token_ids for g in first] != [g.token_ids for g in other]
 
 
+def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tokenizer):
+    a, b = tokenizer.encode("Round 1 of 10. " * 5), tokenizer.encode("You are Bob.")
+    prompts, seeds = [a, b, a, a, b], [21, 22, 23, 24, 25]
+    params = SamplingParams(max_new_tokens=12)
+    shared_before = backend.stats.shared_prompt_tokens
+    together = backend.generate(prompts, params, seeds)
+    assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(a) + len(b)
+    assert len({tuple(g.token_ids) for g in together[::2]}) > 1  # the copies of one prompt drew their own samples
+    for prompt, seed, g in zip(prompts, seeds, together):
+        alone = backend.generate([prompt], params, [seed])[0]
+        assert alone.token_ids == g.token_ids
+        assert max(abs(x - y) for x, y in zip(alone.logprobs, g.logprobs)) < 1e-4
+
+
 def test_greedy_budget_and_stop_strings(backend, tokenizer):
     prompt = [tokenizer.encode("Count with me")]
     greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]

@@ -327,6 +327,17 @@ def test_q_state_round_trip(tokenizer):
     assert other.score(sequences, 2048) == pytest.approx(q.score(sequences, 2048), abs=1e-6)
 
 
+def test_q_scores_candidates_of_a_shared_prompt_as_separate_sequences(tokenizer):
+    q = _q(tokenizer)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-1), 0, 0, False, 2048)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    groups = [[[500, 2], [600], [11, 12, 13]], [[14], [500, 2]]]
+    separate = q.score([p + r for p, group in zip(prompts, groups) for r in group], 2048)
+    assert len(set(separate)) == 5  # distinct values: a leak between candidates would show
+    for budget in (2048, 1):  # both trees in one padded batch, and one tree per forward pass
+        assert q.score_groups(prompts, groups, budget) == pytest.approx(separate, abs=1e-5)
+
+
 # replayed states
 
 
@@ -362,12 +373,13 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     monkeypatch.setattr(Env, "step", forbidden)
     q_of = {}
 
-    def fake_score(sequences, micro_tokens):
+    def fake_score(prompts, groups, micro_tokens):
+        sequences = [list(p) + r for p, group in zip(prompts, groups) for r in group]
         out = [float(sum(s) % 97) / 97 for s in sequences]
         q_of.update({tuple(s): v for s, v in zip(sequences, out)})
         return out
 
-    monkeypatch.setattr(trainer.q, "score", fake_score)
+    monkeypatch.setattr(trainer.q, "score_groups", fake_score)
     monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(
@@ -388,6 +400,10 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
             assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(expected, abs=1e-6)
             spreads.append(statistics.stdev(scores))
             states += 1
+        # each state's candidates are one tree sequence: its prompt is encoded once for all of them
+        assert sorted(i for seq in batch.sequences for i, _ in seq.spans) == list(range(len(samples)))
+        assert all(len(seq.spans) == 1 or seq.parents is not None for seq in batch.sequences)
+        assert len(batch.sequences) == len({tuple(s.prompt_ids) for s in samples})
     assert states == len(turns)
     assert metrics["igrpo/candidate_q_std"] == pytest.approx(sum(spreads) / len(spreads))
     assert len({tuple(s.prompt_ids) for b, _ in captured for s in b.samples}) == len(
@@ -406,7 +422,7 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
     )
     turns, episodes = trainer.deploy(0)
     by_id = {ep.episode_id: ep for ep in episodes}
-    monkeypatch.setattr(trainer.q, "score", lambda sequences, micro: [0.7] * len(sequences))
+    monkeypatch.setattr(trainer.q, "score_groups", lambda prompts, groups, micro: [0.7] * sum(map(len, groups)))
     monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})

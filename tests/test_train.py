@@ -309,6 +309,20 @@ def test_bench_train_reports_packed_unpacked_and_limit(tiny_path, capsys):
     assert result["unpacked_tokens"] == 4 * sum(190 + k * 56 for k in range(1, 4))
 
 
+def test_bench_candidates_reports_shared_separate_and_limit(tiny_path, capsys):
+    argv = ["bench", "candidates", "--model", str(tiny_path), "-n", "2", "-c", "3", "--prompt-tokens", "40"]
+    main([*argv, "--response-tokens", "5", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    for key in ("limit_tok_s", "shared_speedup", "shared_seconds", "separate_seconds"):
+        assert result[key] > 0, key
+    assert result["trained_tokens"] == 2 * 3 * 5
+    assert result["shared_tokens"] == 2 * (40 + 3 * 5)  # each prompt once, then its three candidates
+    assert result["separate_tokens"] == 2 * 3 * (40 + 5)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "candidates", "--model", str(tiny_path), "--candidates", "0"])
+    assert exit_info.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
 def test_training_against_the_base_model_switches_adapters_off_for_its_seat(tmp_path, tokenizer):
     trainer = start_run(
         _config(tmp_path, "vs-base", "iterations=2", "eval.episodes=0", "rollout.opponent=base", "algo.lr=5e-2"),

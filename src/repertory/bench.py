@@ -11,6 +11,12 @@ the model's whole workload, which is what the limit bounds.
 self-play trajectories shaped like the default recipe's (a growing chat, short answers), timed
 with the turns packed into one sequence per seat and unpacked (one sequence per turn). The limit
 is the same matmul throughput converted with the usual 6 x parameters FLOPs per trained token.
+
+``candidates``: Iterative GRPO's policy step over logged states, each with several sampled
+candidates (score with policy and reference, then forward, backward, AdamW), timed with each
+state's candidates sharing one encoding of its prompt (a tree sequence) and with one sequence per
+candidate. The limit converts the matmul throughput with 10 x parameters FLOPs per computed token
+(two scoring forwards and one forward/backward).
 """
 
 from __future__ import annotations
@@ -245,5 +251,65 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     result["train_over_limit"] = result["train_tok_s"] / limit_tok_s
     result["packed_speedup"] = result["unpacked_seconds"] / result["packed_seconds"]
     result["samples_per_s_packed"] = config.episodes * 2 * config.turns / result["packed_seconds"]
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+@dataclass
+class CandidatesBenchConfig:
+    """The synthetic step: ``states`` logged prompts of ``prompt_tokens``, ``candidates`` responses each."""
+
+    states: int = 2
+    candidates: int = 4
+    prompt_tokens: int = 640
+    response_tokens: int = 48
+    seed: int = 0
+    matmul_seconds: float = 2.0
+
+
+def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str, Any]:
+    """Time the I-GRPO policy step with shared-prompt trees and with one sequence per candidate."""
+    import copy
+
+    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+    from repertory.learner import Batch, Learner, PackedSequence
+    from repertory.rounds import single_turn_batch
+
+    rng = torch.Generator().manual_seed(config.seed)
+    vocab = loaded.model.config.vocab_size
+    prompts, responses = [], []
+    for _ in range(config.states):
+        prompt = torch.randint(0, vocab, (config.prompt_tokens,), generator=rng).tolist()
+        for _ in range(config.candidates):
+            prompts.append(prompt)
+            responses.append(torch.randint(0, vocab, (config.response_tokens,), generator=rng).tolist())
+    advantages = torch.randn(len(prompts), generator=rng).tolist()
+    limit_flops = matmul_flops(config.matmul_seconds)
+    limit_tok_s = limit_flops / (10 * loaded.n_params)  # two scoring forwards (2 x 2N) + forward/backward (6N)
+    result: dict[str, Any] = {
+        "model": loaded.name,
+        "threads": torch.get_num_threads(),
+        "limit_gflops": limit_flops / 1e9,
+        "limit_tok_s": limit_tok_s,
+    }
+    algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
+    for key in ("shared", "separate"):
+        batch, adv = single_turn_batch(prompts, responses, advantages)
+        if key == "separate":
+            batch = Batch(
+                [],
+                batch.samples,
+                [PackedSequence(p + r, [(i, len(p))]) for i, (p, r) in enumerate(zip(prompts, responses))],
+            )
+        learner = Learner(copy.deepcopy(loaded), algo, LoraConfig(), CriticConfig(), needs_critic=False)
+        start = time.perf_counter()
+        learner.score(batch)
+        learner.update(batch, adv, None, iteration=0)
+        seconds = time.perf_counter() - start
+        result[f"{key}_seconds"] = seconds
+        result[f"{key}_tokens"] = sum(len(seq.input_ids) for seq in batch.sequences)
+        result[f"{key}_tok_s"] = result[f"{key}_tokens"] / seconds
+    result["trained_tokens"] = len(responses) * config.response_tokens
+    result["shared_speedup"] = result["separate_seconds"] / result["shared_seconds"]
     result["peak_rss_mb"] = peak_rss_mb()
     return result

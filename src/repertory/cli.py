@@ -876,6 +876,51 @@ def bench_train(
     )
 
 
+@bench_app.command("candidates")
+def bench_candidates(
+    states: int = typer.Option(2, "--states", "-n", help="Logged states in the step."),
+    candidates: int = typer.Option(4, "--candidates", "-c", help="Sampled candidates per state."),
+    prompt_tokens: int = typer.Option(640, "--prompt-tokens", help="Tokens of each state's prompt (its history)."),
+    response_tokens: int = typer.Option(48, "--response-tokens", help="Tokens of each candidate."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Iterative GRPO's policy step with each state's prompt shared by its candidates, against one sequence
+    per candidate and the float32 limit."""
+    from repertory.bench import CandidatesBenchConfig, candidates_benchmark
+    from repertory.models import load_model
+
+    if min(states, candidates, prompt_tokens, response_tokens) < 1:
+        raise RepertoryError("--states, --candidates, --prompt-tokens and --response-tokens must be at least 1")
+    config = CandidatesBenchConfig(states, candidates, prompt_tokens, response_tokens)
+    result = candidates_benchmark(load_model(model), config)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(
+        title=f"I-GRPO policy step: {states} states x {candidates} candidates, {prompt_tokens}-token prompts, "
+        f"{response_tokens}-token candidates ({result['model']}, LoRA)"
+    )
+    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
+        table.add_column(column, justify="right")
+    for key in ("shared", "separate"):
+        table.add_row(
+            key,
+            str(result[f"{key}_tokens"]),
+            f"{result[f'{key}_seconds']:.2f}",
+            f"{result[f'{key}_tok_s']:.0f}",
+            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
+    out.print(table)
+    out.print(
+        f"sharing each prompt makes the step {result['shared_speedup']:.2f}x faster on the same "
+        f"{result['trained_tokens']} trained tokens (scoring with policy and reference, forward, backward, AdamW); "
+        f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one line on stderr and exit status 2."""
     try:

@@ -11,6 +11,9 @@ After a row finishes, its keys and values are kept; when the same key comes back
 that extends the stored tokens (a role's growing chat), only the new suffix is encoded. Kept
 prefixes are evicted least-recently-used beyond a token budget.
 
+Identical prompts in one call (several samples of one state) are encoded once: the batch is
+prefilled with each distinct prompt and its keys and values are copied to the rows that share it.
+
 Each row draws its randomness from its own seed, so a row's tokens do not depend on which other
 rows share its batch. Constrained rows may only produce one of a finite set of complete responses:
 their logits are masked to the children of the current node of a token trie built from the
@@ -82,6 +85,7 @@ class GenerationStats:
     calls: int = 0
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
+    shared_prompt_tokens: int = 0  # not encoded: another row of the same call had the same prompt
     generated_tokens: int = 0
     forward_passes: int = 0
 
@@ -236,12 +240,17 @@ class HFBackend:
         device = self.loaded.device
         n = len(prompts)
         reused = [self._reusable(key, prompt) for key, prompt in zip(keys, prompts)]
-        cache, past_mask = self._assemble_past(reused, device)
-        suffixes = [list(p[len(r[0]) if r else 0 :]) for p, r in zip(prompts, reused)]
+        distinct: dict[tuple[tuple[int, ...], int], int] = {}
+        source = [
+            distinct.setdefault((tuple(p), len(r[0]) if r else 0), i) for i, (p, r) in enumerate(zip(prompts, reused))
+        ]
+        encoded = sorted(set(source))
+        cache, past_mask = self._assemble_past([reused[i] for i in encoded], device)
+        suffixes = [list(prompts[i][len(reused[i][0]) if reused[i] else 0 :]) for i in encoded]
         width = max(len(x) for x in suffixes)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((n, width), pad, dtype=torch.long)
-        suffix_mask = torch.zeros((n, width), dtype=torch.long)
+        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        suffix_mask = torch.zeros((len(encoded), width), dtype=torch.long)
         for i, suffix in enumerate(suffixes):
             input_ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
             suffix_mask[i, width - len(suffix) :] = 1
@@ -249,6 +258,7 @@ class HFBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
         self.stats.reused_prompt_tokens += sum(len(r[0]) for r in reused if r)
+        self.stats.shared_prompt_tokens += sum(len(prompts[i]) for i in range(n) if source[i] != i)
 
         rngs = [torch.Generator().manual_seed(s % 2**63) for s in seeds]
         nodes = list(constraints)
@@ -260,6 +270,10 @@ class HFBackend:
         logits, cache = self._forward(input_ids.to(device), mask, positions, cache)
         logits = logits[:, -1]
         last_pos = positions[:, -1]
+        if len(encoded) < n:
+            rows = torch.tensor([encoded.index(i) for i in source], device=device)
+            cache.batch_select_indices(rows)
+            mask, last_pos, logits = mask[rows], last_pos[rows], logits[rows]
         while True:
             chosen, chosen_logp = self._sample(logits, params, [rngs[i] for i in active], [nodes[i] for i in active])
             still: list[int] = []

@@ -65,10 +65,63 @@ class TrajectoryRef:
 
 @dataclass
 class PackedSequence:
-    """Token ids fed to the model once, and where each sample's response sits in them."""
+    """Token ids fed to the model once, and where each sample's response sits in them.
+
+    A chain by default (each token follows the one before). With ``parents`` the tokens form a tree: each
+    token attends to its ancestors only and sits at its depth, so several responses to one prompt (the
+    candidates of a state) share one encoding of it; every response token gets exactly the log-prob it has
+    as its own sequence."""
 
     input_ids: list[int]
     spans: list[tuple[int, int]]  # (sample index, position of the sample's first response token)
+    parents: list[int] | None = None  # per token, the position it follows (-1: the first token)
+
+    def predecessors(self, start: int, n: int) -> list[int]:
+        """Positions whose outputs predict the ``n`` tokens from ``start``."""
+        if self.parents is None:
+            return list(range(start - 1, start - 1 + n))
+        return [self.parents[p] for p in range(start, start + n)]
+
+
+def shared_prompt(prompt: list[int], responses: list[tuple[int, list[int]]]) -> PackedSequence:
+    """One prompt and several (sample index, response) continuations of it as a tree: the prompt once, then
+    each response after it, attending to the prompt and to itself."""
+    ids, parents, spans = list(prompt), list(range(-1, len(prompt) - 1)), []
+    for index, response in responses:
+        spans.append((index, len(ids)))
+        parents += [len(prompt) - 1, *range(len(ids), len(ids) + len(response) - 1)][: len(response)]
+        ids += response
+    return PackedSequence(ids, spans, parents)
+
+
+def model_inputs(
+    sequences: list[PackedSequence], pad_id: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Keyword inputs of a decoder for a right-padded batch: a padding mask for chains; for trees, an
+    additive [batch, 1, L, L] mask (a token sees its ancestors) and each token's depth as its position."""
+    width = max(len(s.input_ids) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        ids[b, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
+    if all(s.parents is None for s in sequences):
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            mask[b, : len(seq.input_ids)] = 1
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    sees = torch.eye(width, dtype=torch.bool).repeat(len(sequences), 1, 1)  # padding rows see themselves
+    positions = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        parents = seq.parents if seq.parents is not None else range(-1, len(seq.input_ids) - 1)
+        for k, parent in enumerate(parents):
+            if parent >= 0:
+                sees[b, k] |= sees[b, parent]
+                positions[b, k] = positions[b, parent] + 1
+    mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.unsqueeze(1).to(device),
+        "position_ids": positions.to(device),
+    }
 
 
 @dataclass
@@ -272,20 +325,15 @@ class Learner:
     ) -> _Scored:
         """Log-probs (policy or reference), values and entropies of every span's response tokens."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        width = max(len(s.input_ids) for s in sequences)
-        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
         rows, cols, targets, owners = [], [], [], []
         for b, seq in enumerate(sequences):
-            ids[b, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
-            mask[b, : len(seq.input_ids)] = 1
             for index, start in seq.spans:
                 n = len(samples[index].response_ids)
                 rows += [b] * n
-                cols += range(start - 1, start - 1 + n)
+                cols += seq.predecessors(start, n)
                 targets += seq.input_ids[start : start + n]
                 owners.append((index, n))
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        inputs = model_inputs(sequences, pad, self.device, self.model.get_input_embeddings().weight.dtype)
         row_t, col_t = torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
         logp: dict[int, torch.Tensor] = {}
         ents: dict[int, torch.Tensor] = {}
@@ -296,14 +344,14 @@ class Learner:
         if reference and self.peft is not None and self.reference_adapter is not None:
             self.peft.set_adapter(self.reference_adapter, inference_mode=True)
             try:
-                hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+                hidden = model.get_decoder()(**inputs).last_hidden_state
             finally:
                 self.peft.set_adapter(LIVE_ADAPTER)
         elif reference and self.peft is not None:
             with self.peft.disable_adapter():
-                hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+                hidden = model.get_decoder()(**inputs).last_hidden_state
         else:
-            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = model.get_decoder()(**inputs).last_hidden_state
         picked = hidden[row_t, col_t]
         logits = model.get_output_embeddings()(picked).float() / self.temperature
         all_logp = torch.log_softmax(logits, dim=-1)
@@ -316,7 +364,7 @@ class Learner:
             if self.shared_critic:
                 value_hidden = picked
             else:
-                value_hidden = self.value.backbone(input_ids=ids, attention_mask=mask).last_hidden_state[row_t, col_t]
+                value_hidden = self.value.backbone(**inputs).last_hidden_state[row_t, col_t]
             vals = _split(self.value.head(value_hidden.float()).squeeze(-1), owners)
         return _Scored(logp, vals, ents)
 

@@ -44,7 +44,7 @@ from repertory.agents.lm import chat_prompt_ids
 from repertory.config import QConfig, SuiteConfig, TrainConfig, load_config
 from repertory.envs import Env, env_class, make
 from repertory.generation import Generation, TokenTrie
-from repertory.learner import Batch, PackedSequence, Sample, collect, token_batches
+from repertory.learner import Batch, PackedSequence, Sample, collect, model_inputs, shared_prompt, token_batches
 from repertory.models import LoadedModel, load_model
 from repertory.report import ResultsTable, results_table
 from repertory.rollout import run_episodes, schedule
@@ -365,15 +365,15 @@ class LastTokenFeatures(nn.Module):
         return [p for p in self.decoder.parameters() if p.requires_grad]
 
     def forward(self, sequences: list[list[int]]) -> torch.Tensor:
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for b, seq in enumerate(sequences):
-            ids[b, : len(seq)] = torch.tensor(seq)
-            mask[b, : len(seq)] = 1
-        hidden = self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-        last = torch.tensor([len(s) - 1 for s in sequences], device=self.device)
-        return hidden[torch.arange(len(sequences), device=self.device), last].float()
+        return self.at([PackedSequence(list(s), []) for s in sequences], [[len(s) - 1] for s in sequences])
+
+    def at(self, sequences: list[PackedSequence], positions: list[list[int]]) -> torch.Tensor:
+        """Final hidden states at the given positions of each (chain or tree) sequence, in order."""
+        dtype = self.decoder.get_input_embeddings().weight.dtype
+        hidden = self.decoder(**model_inputs(sequences, self.pad_id, self.device, dtype)).last_hidden_state
+        rows = torch.tensor([b for b, ps in enumerate(positions) for _ in ps], device=self.device)
+        cols = torch.tensor([p for ps in positions for p in ps], device=self.device)
+        return hidden[rows, cols].float()
 
 
 class QFunction(nn.Module):
@@ -405,6 +405,21 @@ class QFunction(nn.Module):
             z = self.logits([sequences[i] for i in micro])
             for i, value in zip(micro, algos.q_values(z, self.bce).tolist()):
                 out[i] = value
+        return out
+
+    @torch.no_grad()
+    def score_groups(self, prompts: list[list[int]], groups: list[list[list[int]]], micro_tokens: int) -> list[float]:
+        """q of every response of every group (flat, in order), each group's prompt encoded once for all its
+        responses (a shared-prompt tree); equal to :meth:`score` of each prompt + response."""
+        trees = [shared_prompt(p, list(enumerate(rs))) for p, rs in zip(prompts, groups)]
+        ends = [
+            [start + len(r) - 1 if r else len(p) - 1 for (_, start), r in zip(tree.spans, rs)]
+            for tree, p, rs in zip(trees, prompts, groups)
+        ]
+        out: list[float] = []
+        for micro in token_batches([len(t.input_ids) for t in trees], micro_tokens):
+            z = self.head(self.features.at([trees[i] for i in micro], [ends[i] for i in micro])).squeeze(-1)
+            out += algos.q_values(z, self.bce).tolist()
         return out
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -911,8 +926,10 @@ class RoundsTrainer(Trainer):
                 states = [turns[i] for i in chunk]
                 generations, replayed = self.sample(states, episodes, n, (round_index, epoch, "candidate"))
                 prompts = [x.prompt_ids for x in states for _ in range(n)]
-                rewards = self.q.score(
-                    [list(p) + g.token_ids for p, g in zip(prompts, generations)], algo.micro_batch_tokens
+                rewards = self.q.score_groups(
+                    [list(x.prompt_ids) for x in states],
+                    [[g.token_ids for g in generations[j * n : (j + 1) * n]] for j in range(len(states))],
+                    algo.micro_batch_tokens,
                 )
                 valid = [True] * len(generations)
                 for j, state in enumerate(replayed):
@@ -930,7 +947,7 @@ class RoundsTrainer(Trainer):
                     for j, group in enumerate(groups)
                     for a in algos.candidate_advantages(group, valid[j * n : (j + 1) * n])
                 ]
-                batch, adv = _single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
+                batch, adv = single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
                 if not batch.sequences:
                     continue
                 self.learner.score(batch)
@@ -967,7 +984,7 @@ class RoundsTrainer(Trainer):
             for key, a in zip(members, algos.candidate_advantages([first_return(convos[e], gamma) for e in members])):
                 advantage[key] = a
         flat = [t for convo in convos.values() for t in convo]
-        batch, adv = _single_turn_batch(
+        batch, adv = single_turn_batch(
             [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[conversation_of(t)] for t in flat]
         )
         self.learner.score(batch)
@@ -1158,16 +1175,25 @@ class RoundsTrainer(Trainer):
         return torch.tensor([float(p.sum() - r.sum()) for p, r in zip(policy, reference)])
 
 
-def _single_turn_batch(
+def single_turn_batch(
     prompts: list[list[int]], responses: list[list[int]], advantages: list[float]
 ) -> tuple[Batch, dict[int, torch.Tensor]]:
-    """One learner sample per (prompt, response), each its own sequence, its advantage on every token."""
+    """One learner sample per (prompt, response), its advantage on every token. Consecutive samples with the
+    same prompt (a state's candidates) share one tree sequence, so the prompt is encoded once for all of them."""
     samples = [Sample(i, 0, list(p), list(r), [], bool(r)) for i, (p, r) in enumerate(zip(prompts, responses))]
-    sequences = [
-        PackedSequence(s.prompt_ids + s.response_ids, [(i, len(s.prompt_ids))])
-        for i, s in enumerate(samples)
-        if s.trained
-    ]
+    sequences: list[PackedSequence] = []
+    i = 0
+    while i < len(samples):
+        j = i
+        while j < len(samples) and samples[j].prompt_ids == samples[i].prompt_ids:
+            j += 1
+        trained = [(k, samples[k].response_ids) for k in range(i, j) if samples[k].trained]
+        if len(trained) == 1:
+            k, response = trained[0]
+            sequences.append(PackedSequence(samples[k].prompt_ids + response, [(k, len(samples[k].prompt_ids))]))
+        elif trained:
+            sequences.append(shared_prompt(samples[i].prompt_ids, trained))
+        i = j
     adv = {
         i: torch.full((len(s.response_ids),), float(a))
         for i, (s, a) in enumerate(zip(samples, advantages))
