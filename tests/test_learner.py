@@ -235,6 +235,29 @@ def test_first_minibatch_ratio_is_one_and_no_token_is_clipped(tokenizer, episode
     assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_step_that_cannot_move_the_policy_is_skipped(tokenizer, episodes):
+    learner = _learner(tokenizer, critic=False, mini_batches=2, lr=1e-2, beta_kl=0.1)
+    initial = [p.detach().clone() for p in learner.trainable_parameters()]
+    batch = collect(episodes)
+    learner.score(batch)
+    zero = {i: torch.zeros(s.n_tokens) for i, s in enumerate(batch.samples)}
+    stats = learner.update(batch, zero, None, iteration=0)
+    # zero advantages at pi = reference: the true gradient is 0, and no step (AdamW would amplify float noise)
+    assert stats["skipped_frac"] == 1.0 and stats["loss/policy"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(initial, learner.trainable_parameters()))
+    one = {i: torch.where(torch.arange(s.n_tokens) == 0, 1.0, 0.0) for i, s in enumerate(batch.samples)}
+    stats = learner.update(batch, one, None, iteration=1)
+    assert stats["skipped_frac"] == 0.0
+    moved = [p.detach().clone() for p in learner.trainable_parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(initial, moved))
+    # away from the reference, zero advantages still leave the KL term's pull: that step is taken
+    again = collect(episodes)
+    learner.score(again)
+    stats = learner.update(again, zero, None, iteration=2)
+    assert stats["skipped_frac"] == 0.0 and stats["kl"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(moved, learner.trainable_parameters()))
+
+
 def test_full_fine_tuning_keeps_a_frozen_reference(tokenizer, episodes):
     learner = _learner(tokenizer, lora=False, critic=False, mini_batches=1, lr=1e-2)
     batch = collect(episodes)

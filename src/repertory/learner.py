@@ -30,6 +30,7 @@ from repertory.models import LoadedModel
 from repertory.types import Episode, derive
 
 LIVE_ADAPTER = "default"
+FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REFERENCE_ADAPTER = "reference"
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -447,21 +448,49 @@ class Learner:
         mini_batches: int | None = None,
     ) -> dict[str, float]:
         """PPO (or REINFORCE) epochs over the batch (default ``algo.ppo_epochs`` of ``algo.mini_batches``
-        optimizer steps); returns the loss and diagnostic means."""
+        optimizer steps); returns the loss and diagnostic means over the steps taken, and ``skipped_frac``, the
+        share of steps skipped because nothing could move the policy yet (see :meth:`_flat`)."""
         algo = self.algo
         totals: dict[str, float] = {}
-        steps = 0
+        steps = skipped = 0
         for epoch in range(epochs or algo.ppo_epochs):
             order = list(range(len(batch.sequences)))
             random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
             n_mini = min(mini_batches or algo.mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
+                if steps == 0 and self._flat(mini, batch, advantages, returns):
+                    skipped += 1
+                    continue
                 stats = self._step(mini, batch, advantages, returns)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
-        return {key: value / steps for key, value in totals.items()} if steps else {}
+        if not steps and not skipped:
+            return {}
+        out = {key: value / steps for key, value in totals.items()} if steps else {"loss/policy": 0.0, "kl": 0.0}
+        out["skipped_frac"] = skipped / (steps + skipped)
+        return out
+
+    def _flat(
+        self,
+        mini: list[PackedSequence],
+        batch: Batch,
+        advantages: dict[int, torch.Tensor],
+        returns: dict[int, torch.Tensor] | None,
+    ) -> bool:
+        """Whether a step of the still-unchanged (scored) policy has a zero gradient: every advantage is 0, no
+        entropy or value term, and the policy equals its KL reference on these tokens. Such a step is skipped:
+        its computed gradient is float noise, which AdamW would turn into a full learning-rate step."""
+        algo = self.algo
+        if algo.entropy_coef > 0 or (returns is not None and self.value is not None):
+            return False
+        indices = [index for seq in mini for index, _ in seq.spans]
+        if any(bool(advantages[i].any()) for i in indices):
+            return False
+        if algo.kl_mode != "loss" or algo.beta_kl == 0:
+            return True
+        return all(torch.allclose(batch.logp_old[i], batch.logp_ref[i], rtol=0, atol=FLAT_LOGP_TOL) for i in indices)
 
     def _step(
         self,
