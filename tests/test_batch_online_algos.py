@@ -107,6 +107,15 @@ def test_candidate_advantages_of_one_candidate_or_equal_scores_are_zero():
     assert candidate_advantages([0.1 * 3] * 4) == [0.0] * 4
 
 
+def test_unscaled_candidate_advantages_stay_in_q_units():
+    # mean of [0.2, 0.4, 0.0 (gated)] is 0.2
+    assert candidate_advantages([0.2, 0.4, 0.9], [True, True, False], scale=False) == approx([0.0, 0.2, -0.2])
+    # Q that cannot tell the candidates apart: tiny advantages, where normalising makes them unit-scale
+    assert max(map(abs, candidate_advantages([1e-4, 2e-4, 1.5e-4], scale=False))) == approx(5e-5)
+    assert max(map(abs, candidate_advantages([1e-4, 2e-4, 1.5e-4]))) == approx(0.9804)  # 5e-5 / (5e-5 + 1e-6)
+    assert candidate_advantages([0.3] * 3, scale=False) == [0.0] * 3
+
+
 def test_format_gate_scores_invalid_candidates_zero():
     r = [0.62, 0.70, 0.55, 0.81]
     gated = candidate_advantages(r, valid=[True, False, True, True])

@@ -413,6 +413,15 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     captured.clear()
     trainer.improve_igrpo(0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
     assert trainer.partner.calls == calls and captured
+    captured.clear()
+    trainer.config.rounds.scale_advantages = False  # Dr. GRPO: centred scores, in Q's units
+    trainer.improve_igrpo(0, turns[:2], {}, 1)
+    assert captured
+    for batch, adv in captured:
+        for j in range(0, len(batch.samples), n):
+            scores = [q_of[tuple(s.prompt_ids + s.response_ids)] for s in batch.samples[j : j + n]]
+            centred = [x - statistics.mean(scores) for x in scores]
+            assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(centred, abs=1e-6)
 
 
 def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, tokenizer, monkeypatch):

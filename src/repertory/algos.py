@@ -561,14 +561,18 @@ def q_loss(z: Tensor, targets: Tensor, bce: bool) -> Tensor:
     return F.binary_cross_entropy_with_logits(z, targets)
 
 
-def candidate_advantages(scores: list[float], valid: list[bool] | None = None) -> list[float]:
+def candidate_advantages(scores: list[float], valid: list[bool] | None = None, scale: bool = True) -> list[float]:
     """Single-turn GRPO advantages of one state's N_c candidates (5.5): the Qhat scores, 0 for candidates that
-    fail the format gate (``valid`` False), normalised with :func:`group_normalise`."""
+    fail the format gate (``valid`` False), normalised with :func:`group_normalise`; with ``scale`` False only
+    centred (Dr. GRPO), so they stay in Q's units and a group Q cannot tell apart gets advantages near 0."""
     if valid is not None:
         if len(valid) != len(scores):
             raise RepertoryError(f"{len(valid)} format-gate flags for {len(scores)} candidates")
         scores = [s if ok else 0.0 for s, ok in zip(scores, valid)]
-    return group_normalise(scores)
+    if scale or len(scores) < 2 or all(x == scores[0] for x in scores):
+        return group_normalise(scores)
+    mean = _mean(scores)
+    return [s - mean for s in scores]
 
 
 def expected_discounted_return(conversations: list[tuple[float, int]], gamma: float) -> float:

@@ -231,6 +231,12 @@ class RoundsConfig(_Section):
     format_gate: bool = Field(
         True, description="igrpo: candidates the referee would reject (validate on the replayed log) score 0."
     )
+    scale_advantages: bool = Field(
+        True,
+        description="igrpo: divide a state's centred candidate scores by their standard deviation (5.5); false "
+        "keeps them in Q's units (Dr. GRPO), so candidates Q scores alike get advantages near 0, not Q's noise "
+        "blown up to unit scale.",
+    )
     epochs: int | None = Field(
         None,
         ge=1,

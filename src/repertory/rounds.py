@@ -945,7 +945,7 @@ class RoundsTrainer(Trainer):
                 advantages = [
                     a
                     for j, group in enumerate(groups)
-                    for a in algos.candidate_advantages(group, valid[j * n : (j + 1) * n])
+                    for a in algos.candidate_advantages(group, valid[j * n : (j + 1) * n], rounds.scale_advantages)
                 ]
                 batch, adv = single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
                 if not batch.sequences:
