@@ -835,6 +835,23 @@ def bench_rollout(
     )
 
 
+def _print_step_table(title: str, result: dict, variants: tuple[str, str]) -> None:
+    """A training-step benchmark's two variants and the limit: tokens computed, seconds, tok/s, share of it."""
+    table = Table(title=title)
+    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
+        table.add_column(column, justify="right")
+    for key in variants:
+        table.add_row(
+            key,
+            str(result[f"{key}_tokens"]),
+            f"{result[f'{key}_seconds']:.2f}",
+            f"{result[f'{key}_tok_s']:.0f}",
+            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
+    out.print(table)
+
+
 @bench_app.command("train")
 def bench_train(
     episodes: int = typer.Option(2, "--episodes", "-n", help="Self-play episodes (2 seats each) in the batch."),
@@ -853,22 +870,8 @@ def bench_train(
     if as_json:
         print(json.dumps(result))
         return
-    table = Table(
-        title=f"train step: {episodes} episodes x 2 seats x {turns} turns ({result['model']}, "
-        f"{'LoRA' if lora else 'full fine-tuning'})"
-    )
-    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
-        table.add_column(column, justify="right")
-    for key in ("packed", "unpacked"):
-        table.add_row(
-            key,
-            str(result[f"{key}_tokens"]),
-            f"{result[f'{key}_seconds']:.2f}",
-            f"{result[f'{key}_tok_s']:.0f}",
-            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
-        )
-    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
-    out.print(table)
+    title = f"train step: {episodes} episodes x 2 seats x {turns} turns ({result['model']}, "
+    _print_step_table(title + f"{'LoRA' if lora else 'full fine-tuning'})", result, ("packed", "unpacked"))
     out.print(
         f"packing makes the step {result['packed_speedup']:.2f}x faster on the same {result['trained_tokens']} "
         f"trained tokens; matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
@@ -897,22 +900,11 @@ def bench_candidates(
     if as_json:
         print(json.dumps(result))
         return
-    table = Table(
-        title=f"I-GRPO policy step: {states} states x {candidates} candidates, {prompt_tokens}-token prompts, "
+    title = (
+        f"I-GRPO policy step: {states} states x {candidates} candidates, {prompt_tokens}-token prompts, "
         f"{response_tokens}-token candidates ({result['model']}, LoRA)"
     )
-    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
-        table.add_column(column, justify="right")
-    for key in ("shared", "separate"):
-        table.add_row(
-            key,
-            str(result[f"{key}_tokens"]),
-            f"{result[f'{key}_seconds']:.2f}",
-            f"{result[f'{key}_tok_s']:.0f}",
-            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
-        )
-    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
-    out.print(table)
+    _print_step_table(title, result, ("shared", "separate"))
     out.print(
         f"sharing each prompt makes the step {result['shared_speedup']:.2f}x faster on the same "
         f"{result['trained_tokens']} trained tokens (scoring with policy and reference, forward, backward, AdamW); "
