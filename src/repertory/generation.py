@@ -271,7 +271,8 @@ class HFBackend:
         logits = logits[:, -1]
         last_pos = positions[:, -1]
         if len(encoded) < n:
-            rows = torch.tensor([encoded.index(i) for i in source], device=device)
+            slot = {i: row for row, i in enumerate(encoded)}
+            rows = torch.tensor([slot[i] for i in source], device=device)
             cache.batch_select_indices(rows)
             mask, last_pos, logits = mask[rows], last_pos[rows], logits[rows]
         while True:

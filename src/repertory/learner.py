@@ -86,7 +86,10 @@ class PackedSequence:
 
 def shared_prompt(prompt: list[int], responses: list[tuple[int, list[int]]]) -> PackedSequence:
     """One prompt and several (sample index, response) continuations of it as a tree: the prompt once, then
-    each response after it, attending to the prompt and to itself."""
+    each response after it, attending to the prompt and to itself. A single response is a plain chain."""
+    if len(responses) == 1:
+        index, response = responses[0]
+        return PackedSequence(list(prompt) + list(response), [(index, len(prompt))])
     ids, parents, spans = list(prompt), list(range(-1, len(prompt) - 1)), []
     for index, response in responses:
         spans.append((index, len(ids)))
@@ -112,8 +115,12 @@ def model_inputs(
     sees = torch.eye(width, dtype=torch.bool).repeat(len(sequences), 1, 1)  # padding rows see themselves
     positions = torch.zeros((len(sequences), width), dtype=torch.long)
     for b, seq in enumerate(sequences):
-        parents = seq.parents if seq.parents is not None else range(-1, len(seq.input_ids) - 1)
-        for k, parent in enumerate(parents):
+        if seq.parents is None:
+            n = len(seq.input_ids)
+            sees[b, :n, :n] = torch.ones((n, n), dtype=torch.bool).tril()
+            positions[b, :n] = torch.arange(n)
+            continue
+        for k, parent in enumerate(seq.parents):
             if parent >= 0:
                 sees[b, k] |= sees[b, parent]
                 positions[b, k] = positions[b, parent] + 1

@@ -21,6 +21,7 @@ checkpoints, resume, metrics, report).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import random
 import statistics
@@ -1181,19 +1182,10 @@ def single_turn_batch(
     """One learner sample per (prompt, response), its advantage on every token. Consecutive samples with the
     same prompt (a state's candidates) share one tree sequence, so the prompt is encoded once for all of them."""
     samples = [Sample(i, 0, list(p), list(r), [], bool(r)) for i, (p, r) in enumerate(zip(prompts, responses))]
-    sequences: list[PackedSequence] = []
-    i = 0
-    while i < len(samples):
-        j = i
-        while j < len(samples) and samples[j].prompt_ids == samples[i].prompt_ids:
-            j += 1
-        trained = [(k, samples[k].response_ids) for k in range(i, j) if samples[k].trained]
-        if len(trained) == 1:
-            k, response = trained[0]
-            sequences.append(PackedSequence(samples[k].prompt_ids + response, [(k, len(samples[k].prompt_ids))]))
-        elif trained:
-            sequences.append(shared_prompt(samples[i].prompt_ids, trained))
-        i = j
+    sequences = []
+    for _, group in itertools.groupby((i for i, s in enumerate(samples) if s.trained), lambda i: samples[i].prompt_ids):
+        members = list(group)
+        sequences.append(shared_prompt(samples[members[0]].prompt_ids, [(i, samples[i].response_ids) for i in members]))
     adv = {
         i: torch.full((len(s.response_ids),), float(a))
         for i, (s, a) in enumerate(zip(samples, advantages))
