@@ -15,4 +15,6 @@ run: $(STAMP)
 	$(VENV)/bin/repertory train
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from repertory.agents import make_agent
+from repertory.agents.resolve import make_agent
 from repertory.cli import main
 from repertory.envs import env_class
 from repertory.models import save_checkpoint, tiny_model

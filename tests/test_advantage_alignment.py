@@ -12,12 +12,14 @@ from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory import algos
-from repertory.algos import EstimatorParams, TrajectoryInput
+from repertory.algos import EstimatorParams, TrajectoryInput, estimators, losses
 from repertory.cli import main
 from repertory.config import load_config
-from repertory.learner import collect
+from repertory.experiments import exploit_gain_loss
 from repertory.models import load_tokenizer, tiny_model
-from repertory.train import TIMING_PREFIXES, complete_checkpoints, exploit_gain_loss, resume_run, start_run
+from repertory.runs import complete_checkpoints
+from repertory.train import TIMING_PREFIXES, resume_run, start_run
+from repertory.train.batch import collect
 from repertory.types import RepertoryError
 
 AA1 = EstimatorParams(round_gamma=0.96, aa_gamma=0.96, aa_beta=2.0, reward_constant=100.0)
@@ -55,7 +57,7 @@ def _credits(name, batch, params=AA1):
 def test_aa1_returns_baselines_and_credits():
     assert algos.discounted_returns([0.5, 0.1, 1.0], 0.96) == pytest.approx([1.5176, 1.06, 1.0], abs=1e-4)
     metrics: dict[str, float] = {}
-    (a1_g1, a2_g1), (a1_g2, a2_g2) = algos._round_advantages(_aa1_batch(), AA1, metrics)
+    (a1_g1, a2_g1), (a1_g2, a2_g2) = estimators._round_advantages(_aa1_batch(), AA1, metrics)
     assert a1_g1 == pytest.approx([0.5178, 0.3050, 0.5000], abs=1e-4)
     assert a2_g1 == pytest.approx([-0.2538, -0.0300, -0.5000], abs=1e-4)
     assert a1_g2 == pytest.approx([-0.5178, -0.3050, -0.5000], abs=1e-4)
@@ -84,7 +86,7 @@ def test_aa3_truncated_importance_weighted_loss():
     logp_new = torch.tensor([-0.5, -1.0, -2.0], dtype=torch.float64)
     logp_sample = torch.tensor([-0.6, -2.0, -2.1], dtype=torch.float64)
     credit = torch.tensor([0.8, 0.8, -0.3], dtype=torch.float64)
-    per_token, weights = algos.truncated_is_loss(logp_new, logp_sample, credit, cap=2.0)
+    per_token, weights = losses.truncated_is_loss(logp_new, logp_sample, credit, cap=2.0)
     assert weights.tolist() == pytest.approx([1.1052, 2.0, 1.1052], abs=1e-4)
     assert float(per_token.mean()) == pytest.approx(0.4597, abs=1e-4)
     assert not weights.requires_grad
@@ -137,7 +139,7 @@ def test_singleton_crn_groups_pool_the_batch_per_seat_and_side():
     ]
     params = EstimatorParams(round_gamma=0.0, reward_constant=1.0, aa_beta=1.0, aa_gamma=1.0)
     metrics: dict[str, float] = {}
-    pairs = algos._round_advantages(batch, params, metrics)
+    pairs = estimators._round_advantages(batch, params, metrics)
     assert pairs[0][0] == [-2.0, -2.0] and pairs[1][0] == [2.0, 2.0]
     assert pairs[0][1] == [3.0, 3.0] and pairs[1][1] == [-3.0, -3.0]
     assert pairs[2][0] == [-1.0, 0.0] and pairs[2][1] == [4.0, 0.0]
@@ -164,7 +166,7 @@ def test_naive_ignores_the_opponent_and_aa_depends_on_it_only_through_a2():
     assert aa[0][1:] != aa_perturbed[0][1:]
     shared = _credits("shared-reward", perturbed)[0]
     metrics: dict[str, float] = {}
-    pairs = algos._round_advantages(perturbed, AA1, metrics)
+    pairs = estimators._round_advantages(perturbed, AA1, metrics)
     assert shared[0] == pytest.approx([x + y for x, y in zip(*pairs[0])], abs=1e-12)
 
 
@@ -308,7 +310,7 @@ def test_a_snapshot_answers_with_its_own_weights(tmp_path, tokenizer):
         from_snapshot = snapshot.act([request])[0]
         with trainer.learner.peft.disable_adapter():
             from_base = trainer.live.act([request])[0]
-        trainer.backend.clear_prefixes()  # the cached prefix was computed without the adapter
+        trainer.backend.reset_cache()  # the cached prefix was computed without the adapter
         from_live = trainer.live.act([request])[0]
     assert from_snapshot.logp_sample == pytest.approx(from_base.logp_sample, abs=1e-5)
     assert from_live.logp_sample != pytest.approx(from_base.logp_sample, abs=1e-5)

@@ -7,7 +7,8 @@ import io
 import pytest
 from conftest import play
 
-from repertory.agents import BotAgent, HumanAgent, Request, ScriptAgent, agent_names, make_agent
+from repertory.agents import BotAgent, HumanAgent, Request, ScriptAgent, agent_names
+from repertory.agents.resolve import make_agent
 from repertory.envs import env_class
 from repertory.types import Message, RepertoryError
 

@@ -11,21 +11,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from repertory.algos import (
+from repertory.algos import ESTIMATORS, EstimatorParams, TrajectoryInput, get_estimator, register_estimator, whiten
+from repertory.algos.losses import (
     AGGREGATIONS,
-    ESTIMATORS,
-    EstimatorParams,
-    TrajectoryInput,
     aggregate,
     aggregation_weights,
     entropy_from_logits,
-    get_estimator,
     kl_penalty,
     policy_loss,
-    register_estimator,
     reinforce_loss,
     value_loss,
-    whiten,
 )
 from repertory.types import RepertoryError
 

@@ -9,18 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from repertory.algos import (
-    EstimatorParams,
-    TrajectoryInput,
+from repertory.algos import EstimatorParams, TrajectoryInput, discounted_returns, get_estimator, group_normalise
+from repertory.algos.offline import (
     archer_actor_loss,
     archer_q_target,
     candidate_advantages,
-    discounted_returns,
     expected_discounted_return,
     filtered_bc_keep,
-    format_mean_se,
-    get_estimator,
-    group_normalise,
     kto_labels,
     kto_lambdas,
     kto_loss,
@@ -28,9 +23,9 @@ from repertory.algos import (
     q_loss,
     q_uses_bce,
     q_values,
-    seed_summary,
     soft_update,
 )
+from repertory.stats import format_mean_se, seed_summary
 from repertory.types import RepertoryError
 
 TOL = 1e-4

@@ -15,9 +15,10 @@ import pytest
 from conftest import run_cli as run
 
 from repertory import cli
-from repertory.agents import make_agent
+from repertory.agents.resolve import make_agent
 from repertory.envs import env_class
-from repertory.eval import (
+from repertory.eval import summarize
+from repertory.eval.crossplay import (
     IPD_STRATEGIES,
     CrossPlay,
     bradley_terry,
@@ -25,7 +26,6 @@ from repertory.eval import (
     crossplay_report,
     fit_ipd_strategy,
     ipd_moves,
-    summarize,
 )
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat
 

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import repertory
-from repertory.agents import BotAgent, ScriptAgent, make_agent
+from repertory.agents import BotAgent, ScriptAgent
+from repertory.agents.resolve import make_agent
 from repertory.envs import env_class, env_names, load_kernels, make
 from repertory.envs.kernels import generate_kernels, kernel_file_text
 from repertory.rollout import EpisodeSpec, run_episodes

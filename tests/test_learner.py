@@ -9,10 +9,13 @@ import torch
 
 from repertory.agents.lm import LMAgent
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-from repertory.generation import HFBackend, SamplingParams
-from repertory.learner import Batch, Learner, PackedSequence, Sample, collect, model_inputs, shared_prompt
+from repertory.generation import SamplingParams
+from repertory.generation.hf import HFBackend
 from repertory.models import load_tokenizer, tiny_model
+from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
+from repertory.train.batch import Batch, Sample, collect
+from repertory.train.learner import Learner
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn
 
 

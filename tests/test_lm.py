@@ -9,10 +9,12 @@ import pytest
 import torch
 from conftest import tiny_checkpoint
 
-from repertory.agents import LMOptions, Request, make_agent
+from repertory.agents import LMOptions, Request
 from repertory.agents.lm import LMAgent
+from repertory.agents.resolve import make_agent
 from repertory.envs import env_class
-from repertory.generation import HFBackend, SamplingParams, TokenTrie
+from repertory.generation import SamplingParams, TokenTrie
+from repertory.generation.hf import HFBackend
 from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.rollout import run_episodes, schedule
 from repertory.types import Message, RepertoryError
@@ -91,8 +93,8 @@ def test_greedy_budget_and_stop_strings(backend, tokenizer):
 
 def test_token_trie_restricts_to_the_choices(backend, tokenizer):
     choices = ["<choose>A</choose>", "<choose>B</choose>"]
-    trie = backend.trie(choices)
-    assert isinstance(trie, TokenTrie) and backend.trie(choices) is trie
+    trie = backend.constraint(choices)
+    assert isinstance(trie, TokenTrie) and backend.constraint(choices) is trie
     prompts = [tokenizer.encode(f"prompt {i}") for i in range(12)]
     out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(12)), constraints=[trie] * 12)
     texts = [backend.decode(g.token_ids) for g in out]
@@ -107,7 +109,7 @@ def test_token_trie_restricts_to_the_choices(backend, tokenizer):
 def test_forced_tokens_share_a_forward_pass_with_the_sampled_one(backend, tokenizer):
     # <choose>A</choose> and <choose>B</choose> differ in one token: the prompt, the forced "<choose>"
     # prefix and the forced "</choose>" suffix need three forward passes per batch instead of eight.
-    trie = backend.trie(["<choose>A</choose>", "<choose>B</choose>"])
+    trie = backend.constraint(["<choose>A</choose>", "<choose>B</choose>"])
     prompts = [tokenizer.encode(f"round {i} " * (i + 1)) for i in range(6)]
     before = backend.stats.forward_passes
     out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(6)), constraints=[trie] * 6)

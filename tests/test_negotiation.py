@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import repertory
-from repertory.agents import BotAgent, Request, Response, make_agent
+from repertory.agents import BotAgent, Request, Response
+from repertory.agents.resolve import make_agent
 from repertory.cli import main
 from repertory.envs import env_class, load_kernels, make
 from repertory.envs.kernels import generate_kernels, kernel_file_text

@@ -14,33 +14,22 @@ import torch
 from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
-from repertory import algos
+from repertory.algos import offline
 from repertory.cli import main
-from repertory.config import QConfig, dump_config, load_config, load_suite
+from repertory.config import QConfig, dump_config, load_config
 from repertory.envs.base import Env
-from repertory.learner import collect
+from repertory.envs.replay import replay
+from repertory.experiments import load_suite, run_suite
 from repertory.models import load_tokenizer, tiny_model
-from repertory.rounds import (
-    LoggedTurn,
-    QExample,
-    QFunction,
-    RoundsTrainer,
-    Transition,
-    conversations,
-    first_return,
-    fit_q,
-    kernel_split,
-    logged_turns,
-    rank_correlation,
-    read_logs,
-    read_turns,
-    replay,
-    run_suite,
-    transitions,
-    write_turns,
-)
+from repertory.stats import rank_correlation
 from repertory.store import EpisodeStore, read_episodes, write_episodes
+from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
+from repertory.train.archer import Transition, actor_step, critic_step, transitions
+from repertory.train.batch import collect
+from repertory.train.heads import QExample, QFunction, fit_q
+from repertory.train.rounds import RoundsTrainer, igrpo, mt_kto, mt_sft, st_grpo
+from repertory.train.turns import conversations, first_return, kernel_split, logged_turns, read_logs, read_turns
 from repertory.types import Message, RepertoryError
 
 
@@ -250,13 +239,13 @@ def test_q_fit_never_sees_a_validation_kernel(tmp_path, tokenizer, monkeypatch):
         seen["train"], seen["val"] = [e.sequence for e in train], [e.sequence for e in val]
         return {}
 
-    monkeypatch.setattr("repertory.rounds.fit_q", spy)
+    monkeypatch.setattr("repertory.train.rounds.fit_q", spy)
     turns = [_turn(f"e{k}", f"k{k % 10}", 0, 0, 0.5) for k in range(30)]
     for k, turn in enumerate(turns):
         turn.response_ids = [100 + k]  # identifies the turn
     monkeypatch.setattr(trainer.backend, "generate", lambda *a, **k: pytest.fail("generation is not under test"))
     with pytest.raises(pytest.fail.Exception):
-        trainer.improve_igrpo(0, turns, {}, 1)
+        igrpo(trainer, 0, turns, {}, 1)
     q_train, q_val = kernel_split([t.kernel_id for t in turns], 0.1, 0)
     kernel_of = {100 + k: t.kernel_id for k, t in enumerate(turns)}
     assert {kernel_of[s[-1]] for s in seen["train"]} == q_train
@@ -369,7 +358,7 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
         raise AssertionError("the simulator was called while improving")
 
     step = Env.step
-    monkeypatch.setattr("repertory.rounds.run_episodes", forbidden)
+    monkeypatch.setattr("repertory.train.rounds.run_episodes", forbidden)
     monkeypatch.setattr(Env, "step", forbidden)
     q_of = {}
 
@@ -380,12 +369,12 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
         return out
 
     monkeypatch.setattr(trainer.q, "score_groups", fake_score)
-    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(
         trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {"kl": 0.0}
     )
-    metrics = trainer.improve_igrpo(0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
+    metrics = igrpo(trainer, 0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
     assert trainer.partner.calls == calls
     n = trainer.config.rounds.candidates
     states, spreads = 0, []
@@ -396,7 +385,7 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
             group = samples[j : j + n]
             assert len({tuple(s.prompt_ids) for s in group}) == 1  # one state per group
             scores = [q_of[tuple(s.prompt_ids + s.response_ids)] for s in group]
-            expected = algos.candidate_advantages(scores)
+            expected = offline.candidate_advantages(scores)
             assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(expected, abs=1e-6)
             spreads.append(statistics.stdev(scores))
             states += 1
@@ -411,11 +400,11 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     )
     monkeypatch.setattr(Env, "step", step)
     captured.clear()
-    trainer.improve_igrpo(0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
+    igrpo(trainer, 0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
     assert trainer.partner.calls == calls and captured
     captured.clear()
     trainer.config.rounds.scale_advantages = False  # Dr. GRPO: centred scores, in Q's units
-    trainer.improve_igrpo(0, turns[:2], {}, 1)
+    igrpo(trainer, 0, turns[:2], {}, 1)
     assert captured
     for batch, adv in captured:
         for j in range(0, len(batch.samples), n):
@@ -432,10 +421,10 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
     turns, episodes = trainer.deploy(0)
     by_id = {ep.episode_id: ep for ep in episodes}
     monkeypatch.setattr(trainer.q, "score_groups", lambda prompts, groups, micro: [0.7] * sum(map(len, groups)))
-    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
-    metrics = trainer.improve_igrpo(0, turns[:4], by_id, 1)
+    metrics = igrpo(trainer, 0, turns[:4], by_id, 1)
     # free text from a random model is never a valid IPD action: every candidate is gated to 0, all equal
     assert metrics["igrpo/gated_rate"] == 1.0
     assert all(float(a.abs().max()) == 0.0 for _, adv in captured for a in adv.values())
@@ -444,10 +433,10 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
 def test_igrpo_candidates_follow_the_deployment_constraint(tmp_path, tokenizer, monkeypatch):
     trainer = start_run(_config(tmp_path, "constrained"), tiny_model(tokenizer, seed=1))
     turns, episodes = trainer.deploy(0)
-    monkeypatch.setattr("repertory.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append(batch) or {})
-    metrics = trainer.improve_igrpo(0, turns[:3], {ep.episode_id: ep for ep in episodes}, 1)
+    metrics = igrpo(trainer, 0, turns[:3], {ep.episode_id: ep for ep in episodes}, 1)
     texts = {tokenizer.decode(s.response_ids, skip_special_tokens=True) for b in captured for s in b.samples}
     by_id = {ep.episode_id: ep for ep in episodes}
     env, role = replay(by_id[turns[0].episode_id], turns[0].seat_id, turns[0].t)
@@ -470,7 +459,7 @@ def test_mt_sft_keeps_the_conversations_at_the_quantile(tmp_path, tokenizer, mon
     trained = []
     monkeypatch.setattr(trainer.learner, "backward_on", lambda pairs, loss_of: trained.extend(pairs) or 0.0)
     monkeypatch.setattr(trainer.learner, "optimizer_step", lambda: 0.0)
-    metrics = trainer.improve_mt_sft(0, turns, epochs=1)
+    metrics = mt_sft(trainer, 0, turns, {}, epochs=1)
     assert metrics["sft/cutoff"] == pytest.approx(0.58, abs=1e-9)
     assert metrics["sft/kept_conversations"] == 2 and metrics["sft/kept_turns"] == 4
     assert len(trained) == 4
@@ -483,7 +472,7 @@ def test_mt_sft_loss_is_the_token_mean_nll(tmp_path, tokenizer):
     turns = [LoggedTurn("e0", "k", 0, 0, [1, 2, 3], [4, 5, 6], 1.0, 1.0)]
     pairs = [(turns[0].prompt_ids, turns[0].response_ids)]
     expected = -float(trainer.learner.token_logps(pairs)[0].mean())
-    metrics = trainer.improve_mt_sft(0, turns, epochs=1)
+    metrics = mt_sft(trainer, 0, turns, {}, epochs=1)
     assert metrics["loss/sft"] == pytest.approx(expected, abs=1e-5)
 
 
@@ -499,7 +488,7 @@ def test_mt_kto_labels_weights_and_a_hand_computed_loss(tmp_path, tokenizer, mon
     pairs = [(t.prompt_ids, t.response_ids) for t in turns[:4]]
     before = [float(x.sum()) for x in trainer.learner.token_logps(pairs)]
     trainer.learner.freeze_reference()
-    metrics = trainer.improve_mt_kto(0, turns, epochs=1)
+    metrics = mt_kto(trainer, 0, turns, {}, epochs=1)
     assert (metrics["kto/desirable"], metrics["kto/undesirable"]) == (3, 1)
     assert (metrics["kto/lambda_d"], metrics["kto/lambda_u"]) == (1.0, pytest.approx(2.25))
     # at pi = pi_ref every implied reward is 0, so z0 = 0 and each loss is lambda * (1 - sigmoid(0)) = lambda / 2
@@ -518,7 +507,7 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
             turns += [LoggedTurn(episode, kernel, t, 1, [1, t], [2, 3], g, g if t == 0 else 0.99) for t in (0, 1)]
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
-    trainer.improve_st_grpo(0, turns, epochs=2)
+    st_grpo(trainer, 0, turns, {}, epochs=2)
     batch, adv = captured[0]
     order = [t.episode_id for convo in conversations(turns).values() for t in convo]
     by_episode: dict[str, set[float]] = {}
@@ -582,7 +571,7 @@ def test_archer_critic_step_targets_and_soft_update(tmp_path, tokenizer, method)
         expected += float(((q[i] - y_q) ** 2).mean() + ((v[i] - q_bar[i]) ** 2).mean())
     target_before = [t.detach().clone() for t in critic.target.parameters()]
     adapter_before = [t.clone() for t in critic.target_adapter]
-    loss = trainer.critic_step(batch, sampled)
+    loss = critic_step(trainer, batch, sampled)
     assert loss == pytest.approx(expected, rel=1e-5)
     for before, bar, online in zip(target_before, critic.target.parameters(), critic.heads.parameters()):
         assert torch.allclose(bar, 0.9 * before + 0.1 * online.detach(), atol=1e-6)  # R3, tau 0.1
@@ -601,7 +590,7 @@ def test_archer_actor_step_is_advantage_weighted_sequence_log_prob(tmp_path, tok
         v1, v2 = critic.heads.values(h_s)
     advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).tolist()
     seq = [float(x.sum()) for x in trainer.learner.token_logps(list(zip(states, actions)))]
-    loss, adv = trainer.actor_step(states, actions)
+    loss, adv = actor_step(trainer, states, actions)
     assert adv == pytest.approx(advantages, abs=1e-6)
     assert loss == pytest.approx(-sum(a * lp for a, lp in zip(advantages, seq)) / 2, rel=1e-4)  # R2 per state
 

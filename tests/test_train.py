@@ -11,19 +11,15 @@ from conftest import run_cli, tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory.cli import main
-from repertory.config import TrainConfig, load_config, load_suite, recipe_names
-from repertory.learner import collect
+from repertory.config import TrainConfig, load_config, recipe_names
+from repertory.experiments import load_suite
 from repertory.models import load_model, load_tokenizer, tiny_model
+from repertory.models.checkpoints import load_policy
 from repertory.rollout import run_episodes
+from repertory.runs import complete_checkpoints, resolve_checkpoint
 from repertory.store import read_episodes
-from repertory.train import (
-    TIMING_PREFIXES,
-    complete_checkpoints,
-    load_policy,
-    resolve_checkpoint,
-    resume_run,
-    start_run,
-)
+from repertory.train import TIMING_PREFIXES, resume_run, start_run
+from repertory.train.batch import collect
 from repertory.types import RepertoryError
 
 

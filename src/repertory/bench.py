@@ -21,7 +21,7 @@ candidate. The limit converts the matmul throughput with 10 x parameters FLOPs p
 
 from __future__ import annotations
 
-import resource
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,26 +30,15 @@ import torch
 
 from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
-from repertory.generation import HFBackend, SamplingParams
+from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.generation import SamplingParams
+from repertory.generation.hf import HFBackend
+from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
+from repertory.system import matmul_flops, peak_rss_mb
+from repertory.train.batch import Batch, collect, single_turn_batch
+from repertory.train.learner import Learner
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, derive
-
-
-def matmul_flops(seconds: float = 1.0, n: int = 1024) -> float:
-    """Sustained float32 matmul FLOP/s of this machine (square ``n`` x ``n`` products)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / (time.perf_counter() - start)
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class NaiveAgent:
@@ -211,11 +200,6 @@ def synthetic_episodes(config: TrainBenchConfig, vocab: int) -> list[Episode]:
 
 def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
-    import copy
-
-    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-    from repertory.learner import Learner, collect
-
     algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
     limit_flops = matmul_flops(config.matmul_seconds)
     n_params = loaded.n_params
@@ -269,12 +253,6 @@ class CandidatesBenchConfig:
 
 def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str, Any]:
     """Time the I-GRPO policy step with shared-prompt trees and with one sequence per candidate."""
-    import copy
-
-    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-    from repertory.learner import Batch, Learner, PackedSequence
-    from repertory.rounds import single_turn_batch
-
     rng = torch.Generator().manual_seed(config.seed)
     vocab = loaded.model.config.vocab_size
     prompts, responses = [], []

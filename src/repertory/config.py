@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from repertory.algos import EstimatorParams
+from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
 from repertory.types import RepertoryError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -62,6 +64,7 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(400, ge=1, description="Token budget per turn.")
     constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
     max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
+    backend: str = Field("hf", description="Generation backend that samples the policy: hf (transformers).")
 
     @field_validator("env")
     @classmethod
@@ -87,36 +90,16 @@ class RolloutConfig(_Section):
         return opponent
 
 
-class AlgoConfig(_Section):
-    """Advantage estimation and losses (algorithms.md sections 2-4)."""
+class AlgoConfig(EstimatorParams):
+    """Advantage estimation and losses (docs/algorithms.md sections 2-4): the estimator settings of
+    :class:`~repertory.algos.EstimatorParams`, then the policy loss, KL, entropy and optimiser."""
 
-    estimator: str = Field(
-        "omar",
-        description="Advantage estimator: omar, gae, grpo, rloo, reinforce-pp, reinforce, rae, adalign, naive, "
-        "shared-reward.",
-    )
-    gamma_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level discount.")
-    lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
-    gamma_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level discount.")
-    lambda_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level GAE lambda.")
-    gamma: float = Field(1.0, ge=0, le=1, description="MT-PPO (gae) discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="MT-PPO (gae) lambda.")
-    grpo_scale: Literal["group", "none"] = Field("group", description="GRPO: divide by the group std or not.")
-    ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
-    ema_update: Literal["per_trajectory", "per_batch"] = Field("per_trajectory", description="EMA update order.")
-    turn_discount: float = Field(1.0, ge=0, le=1, description="Per-turn discount of critic-free advantages.")
-    round_gamma: float = Field(0.9, ge=0, le=1, description="adalign/naive/shared-reward: return discount over rounds.")
-    aa_gamma: float = Field(0.9, ge=0, le=1, description="adalign: discount gamma_aa of the opponent-shaping sum.")
-    aa_beta: float = Field(0.5, ge=0, description="adalign: strength beta of the opponent-shaping term.")
-    reward_constant: float = Field(
-        1.0, gt=0, description="adalign/naive/shared-reward: step reward = raw round points / this constant c."
-    )
-    discount_state_visitation: bool = Field(False, description="adalign family: multiply round t's credit by gamma^t.")
     whiten: bool | None = Field(None, description="Whiten advantages over the batch; default: the estimator's.")
-    policy_loss: Literal["ppo", "reinforce", "tis"] = Field(
+    policy_loss: str = Field(
         "ppo",
-        description="PPO clip, plain REINFORCE, or REINFORCE with truncated importance weights (tis, Advantage "
-        "Alignment 7.4: w = min(exp(logp_new - logp_old), is_cap), also weighting the KL term).",
+        description="A registered policy loss: ppo (PPO clip), reinforce (plain REINFORCE), or tis (REINFORCE with "
+        "truncated importance weights, Advantage Alignment 7.4: w = min(exp(logp_new - logp_old), is_cap), also "
+        "weighting the KL term).",
     )
     is_cap: float = Field(2.0, gt=0, description="Truncation of the importance weight of policy_loss tis.")
     eps_low: float = Field(0.2, gt=0, description="PPO lower clip.")
@@ -140,14 +123,14 @@ class AlgoConfig(_Section):
     packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
     mask_truncated: bool = Field(False, description="Give turns cut by the token budget no loss.")
 
-    @field_validator("estimator")
-    @classmethod
-    def _known_estimator(cls, name: str) -> str:
-        from repertory.algos import ESTIMATORS
 
-        if name not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}")
-        return name
+    @field_validator("grpo_scale", "ema_update")
+    @classmethod
+    def _known_choice(cls, value: str, info: ValidationInfo) -> str:
+        allowed = GRPO_SCALES if info.field_name == "grpo_scale" else EMA_UPDATES
+        if value not in allowed:
+            raise ValueError(f"unknown {info.field_name} {value!r}; allowed: {', '.join(allowed)}")
+        return value
 
 
 class CriticConfig(_Section):
@@ -211,9 +194,10 @@ class RoundsConfig(_Section):
     ``rollout.episodes_per_kernel`` conversations, the conversations are logged, the policy is improved offline
     on that log with ``method`` (no game is played while improving), and evaluated on held-out kernels."""
 
-    method: Literal["igrpo", "st-grpo", "mt-sft", "mt-kto", "mt-ppo", "archer", "archer-lc"] = Field(
+    method: str = Field(
         "igrpo",
-        description="igrpo (Q-function + single-turn GRPO over logged states), st-grpo (whole conversations as "
+        description="A registered round method: igrpo (Q-function + single-turn GRPO over logged states), st-grpo "
+        "(whole conversations as "
         "GRPO samples), mt-sft (filtered behaviour cloning), mt-kto (KTO on conversation labels), mt-ppo (PPO "
         "epochs with a critic on the logged conversations, reward G_0 on the last agent token), archer "
         "(TD actor-critic on frozen features of the initial model), archer-lc (the same critic with a LoRA "
@@ -278,10 +262,10 @@ class TrainConfig(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    trainer: Literal["online", "rounds"] = Field(
+    trainer: str = Field(
         "online",
-        description="online: rollout and update every iteration; rounds: each iteration is a batch-online "
-        "deployment round (see the rounds section).",
+        description="A registered trainer: online (rollout and update every iteration) or rounds (each iteration "
+        "is a batch-online deployment round, see the rounds section).",
     )
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
 
@@ -336,7 +320,9 @@ class SuiteConfig(_Section):
         ]
 
 
-class _SuiteFile(_Section):
+class SuiteFile(_Section):
+    """A suite recipe file: its one top-level key."""
+
     suite: SuiteConfig
 
 
@@ -349,7 +335,7 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-5] for p in shipped if p.name.endswith(".yaml"))
 
 
-def _recipe_text(recipe: str) -> tuple[str, str]:
+def recipe_text(recipe: str) -> tuple[str, str]:
     path = Path(recipe)
     if path.is_file():
         return path.read_text(), str(path)
@@ -382,7 +368,7 @@ def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _describe(err: ValidationError, source: str, root: type[BaseModel] = TrainConfig) -> str:
+def describe_error(err: ValidationError, source: str, root: type[BaseModel] = TrainConfig) -> str:
     lines = []
     for item in err.errors():
         path = ".".join(str(p) for p in item["loc"])
@@ -414,7 +400,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     data: dict[str, Any] = {}
     source = "the defaults"
     if recipe is not None:
-        text, source = _recipe_text(recipe)
+        text, source = recipe_text(recipe)
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as err:
@@ -430,36 +416,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None) -
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:
-        raise RepertoryError(_describe(err, source)) from None
-
-
-def load_suite(recipe: str) -> SuiteConfig | None:
-    """The suite a recipe describes, or None when it is an ordinary recipe. Every run's config is validated
-    here, before any work starts."""
-    text, source = _recipe_text(recipe)
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise RepertoryError(f"{source} is not valid YAML: {err}") from None
-    if not isinstance(loaded, dict) or "suite" not in loaded:
-        return None
-    try:
-        suite = _SuiteFile.model_validate(loaded).suite
-    except ValidationError as err:
-        raise RepertoryError(_describe(err, source, _SuiteFile)) from None
-    for env in suite.envs:
-        for method in suite.methods:
-            load_config(suite.recipe, [*suite.set, f"rounds.method={method}", f"rollout.env={env}"])
-        if suite.warm_start is not None:
-            from repertory.envs import env_class
-
-            partner = load_config(suite.recipe, suite.warm_overrides(env)).rollout.opponent
-            if partner not in env_class(env).bots:
-                raise RepertoryError(
-                    f"{source}: suite.warm_start imitates the partner bot, but the partner on {env} is {partner!r}; "
-                    f"set rollout.opponent to one of: {', '.join(env_class(env).bots)}"
-                )
-    return suite
+        raise RepertoryError(describe_error(err, source)) from None
 
 
 def dump_config(config: TrainConfig) -> str:

@@ -178,7 +178,7 @@ class ResultsTable:
     checkpoint: str
 
     def text(self, method: str, env: str) -> str:
-        from repertory.algos import format_mean_se
+        from repertory.stats import format_mean_se
 
         cell = self.cells.get((method, env))
         return format_mean_se(cell[0], cell[1]) if cell else "—"
@@ -198,7 +198,7 @@ class ResultsTable:
 def results_table(runs: list[str | Path], checkpoint: str = "best") -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J of each seed's best
     (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial policies."""
-    from repertory.algos import seed_summary
+    from repertory.stats import seed_summary
     from repertory.types import RepertoryError
 
     if checkpoint not in ("best", "last"):

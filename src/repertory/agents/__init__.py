@@ -2,14 +2,10 @@
 
 The rollout engine gathers every pending request of every running episode, groups them by agent
 and makes one ``act`` call per agent per tick, so an agent that serves many seats (a language
-model in self-play) answers all of them in one batch. Agent specs on the command line:
-
-- ``model``: the language model (the embedded SmolLM2 unless ``--model PATH``); ``model:PATH``
-  another checkpoint, for LM-vs-LM line-ups;
-- a bot name of the environment (``tit-for-tat``, ``greedy``, ...; ``repertory envs`` lists them);
-- ``script:FILE``: replays one response per line of FILE for each seat of each episode, from the
-  first line, starting over when the file is exhausted (``\\n`` in a line is a newline);
-- ``human``: you, at the terminal.
+model in self-play) answers all of them in one batch. :func:`repertory.agents.resolve.make_agent`
+turns an agent spec (a bot name, ``model``, ``model:PATH``, ``base``, a run or checkpoint
+directory, ``script:FILE``, ``human``) into an agent; this module holds the protocol and the
+agents that need no model.
 """
 
 from __future__ import annotations
@@ -76,7 +72,9 @@ class Agent(Protocol):
 
 @dataclass(frozen=True)
 class LMOptions:
-    """How ``model`` agents are built: which model, how to sample, constrained actions, seed."""
+    """How language-model agents are built: which model, how to sample, constrained actions, seed. A trained
+    policy (a run or checkpoint) takes the fields named in ``as_trained`` from its own run's rollout config
+    (``temperature``, ``max_new_tokens``, ``constrained``) instead of these."""
 
     model: str = "smollm2"
     temperature: float = 1.0
@@ -85,6 +83,7 @@ class LMOptions:
     constrained: bool = False
     seed: int = 0
     device: str | None = None
+    as_trained: tuple[str, ...] = ()
 
 
 class BotAgent:
@@ -174,26 +173,5 @@ def is_model(agent: Agent) -> bool:
 
 
 def agent_names(env: type[Env]) -> list[str]:
-    """Agent specs valid for ``env``: its bots, then the generic agents."""
-    return [*env.bots, "model", "model:PATH", "script:FILE", "human"]
-
-
-def make_agent(spec: str, env: type[Env], lm: LMOptions | None = None) -> Agent:
-    """Build the agent named by ``spec`` for ``env``; unknown specs list the valid ones.
-
-    ``lm`` configures ``model`` agents (model, sampling, constrained actions, seed).
-    """
-    if spec == "model" or spec.startswith("model:"):
-        from repertory.agents.lm import make_lm_agent
-
-        return make_lm_agent(spec, lm or LMOptions())
-    if spec in env.bots:
-        return BotAgent(spec, env.bots[spec])
-    if spec.startswith("script:"):
-        path = spec[len("script:") :]
-        if not path:
-            raise RepertoryError("script: needs a file, as in script:moves.txt")
-        return ScriptAgent(path)
-    if spec == "human":
-        return HumanAgent()
-    raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")
+    """The agent specs ``env`` accepts: its bots, then the generic forms."""
+    return [*env.bots, "base", "model", "model:PATH", "RUN or CHECKPOINT directory", "script:FILE", "human"]

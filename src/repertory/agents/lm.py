@@ -1,9 +1,11 @@
 """Language-model agents: one loaded model answers a whole batch of seats in one generation call.
 
 An :class:`LMAgent` renders each request's chat with the model's own chat template, samples all
-of them in one batched call of the backend, and returns the exact prompt ids, response ids and
-sampling log-probs with the text. The backend (the loaded weights) is separate from the agent,
-so several agents — a live policy and frozen snapshots, or adapters later — share one model.
+of them in one batched call of its backend (any :class:`~repertory.generation.Backend`), and returns
+the exact prompt ids, response ids and sampling log-probs with the text. The backend (the loaded
+weights) is separate from the agent, so several agents share one model: a live policy, the base
+model with the LoRA adapters switched off (:class:`AdaptersOff`), and frozen snapshots loaded as
+other adapters (:class:`AdapterAgent`).
 """
 
 from __future__ import annotations
@@ -11,29 +13,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from repertory.agents import LMOptions, Request, Response
+from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
-from repertory.generation import HFBackend, SamplingParams
+from repertory.generation import Backend, SamplingParams, make_backend
 from repertory.models import EMBEDDED, load_model
-from repertory.types import Message, derive
+from repertory.models.chat import chat_prompt_ids
+from repertory.types import derive
 
-_BACKENDS: dict[tuple[str, str | None], HFBackend] = {}
+LIVE_ADAPTER = "default"  # PEFT's name of the adapter a model is created with: the trained one
+
+_BACKENDS: dict[tuple[str, str, str | None], Backend] = {}
 
 
-def shared_backend(model: str = EMBEDDED, device: str | None = None) -> HFBackend:
-    """One backend (one copy of the weights) per model and device for the whole process."""
-    key = (model, device)
+def shared_backend(model: str = EMBEDDED, device: str | None = None, kind: str = "hf") -> Backend:
+    """One backend (one copy of the weights) per engine, model and device for the whole process."""
+    key = (kind, model, device)
     if key not in _BACKENDS:
-        _BACKENDS[key] = HFBackend(load_model(model, device))
+        _BACKENDS[key] = make_backend(kind, load_model(model, device))
     return _BACKENDS[key]
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """A chat rendered with the tokenizer's chat template, ready for the assistant turn (what a policy samples
-    from, and what logged turns are rendered to)."""
-    chat = [{"role": m.role, "content": m.content} for m in messages]
-    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 class LMAgent:
@@ -41,7 +38,7 @@ class LMAgent:
 
     def __init__(
         self,
-        backend: HFBackend,
+        backend: Backend,
         name: str = "model",
         params: SamplingParams | None = None,
         constrained: bool = False,
@@ -66,7 +63,7 @@ class LMAgent:
             for r in requests
         ]
         constraints = [
-            self.backend.trie(r.choices) if self.constrained and r.choices is not None else None for r in requests
+            self.backend.constraint(r.choices) if self.constrained and r.choices is not None else None for r in requests
         ]
         keys = [(self.name, r.episode_id, r.seat) for r in requests]
         enough = [_visible_text_exceeds(r.max_chars) if r.max_chars is not None else None for r in requests]
@@ -89,9 +86,28 @@ def _visible_text_exceeds(limit: int) -> Callable[[str], bool]:
     return lambda text: len(clean(text, limit + 1)) > limit
 
 
-def make_lm_agent(spec: str, options: LMOptions) -> LMAgent:
-    """``model`` (the model of ``options``) or ``model:PATH`` (another checkpoint) as an agent."""
-    model = spec.split(":", 1)[1] if ":" in spec else options.model
-    backend = shared_backend(model, options.device)
-    params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
-    return LMAgent(backend, spec, params, options.constrained, options.seed)
+class AdaptersOff:
+    """The frozen base model as an agent: an LM agent on the live model with the LoRA adapters switched off."""
+
+    def __init__(self, agent: LMAgent, peft: Any):
+        self.agent, self.peft = agent, peft
+        self.name, self.policy_id = agent.name, "base"
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        with self.peft.disable_adapter():
+            return self.agent.act(requests)
+
+
+class AdapterAgent:
+    """A frozen snapshot as an agent: the live model with another LoRA adapter active while it answers."""
+
+    def __init__(self, agent: LMAgent, peft: Any, adapter: str):
+        self.agent, self.peft, self.adapter = agent, peft, adapter
+        self.name, self.policy_id = agent.name, agent.policy_id
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        self.peft.set_adapter(self.adapter, inference_mode=True)
+        try:
+            return self.agent.act(requests)
+        finally:
+            self.peft.set_adapter(LIVE_ADAPTER)

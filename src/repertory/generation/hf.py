@@ -25,74 +25,15 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from repertory.generation.core import Generation, GenerationStats, SamplingParams, TokenTrie
 from repertory.models import LoadedModel
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample: temperature (0 = greedy), nucleus top-p, token budget, extra stop strings."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 400
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-
-
-@dataclass
-class Generation:
-    """One sampled continuation: its token ids, their log-probs and why it ended ("stop" or "length")."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish: str
-
-
-@dataclass
-class TokenTrie:
-    """The token sequences of a finite set of complete responses, as a prefix tree."""
-
-    children: dict[int, TokenTrie] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, sequences: Sequence[Sequence[int]]) -> TokenTrie:
-        root = cls()
-        for seq in sequences:
-            node = root
-            for token in seq:
-                node = node.children.setdefault(token, cls())
-        return root
-
-
-@dataclass
-class GenerationStats:
-    """Counters over the backend's lifetime (for benchmarks and metrics)."""
-
-    calls: int = 0
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    shared_prompt_tokens: int = 0  # not encoded: another row of the same call had the same prompt
-    generated_tokens: int = 0
-    forward_passes: int = 0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """Share of prompt tokens whose keys and values came from a kept prefix."""
-        return self.reused_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass
@@ -160,6 +101,7 @@ class HFBackend:
         self.tokenizer = loaded.tokenizer
         self.max_batch = max_batch
         self.stats = GenerationStats()
+        self.name = loaded.name
         self.stop_ids = self._stop_token_ids()
         self._tries: dict[tuple[str, ...], TokenTrie] = {}
         forward_params = inspect.signature(self.model.forward).parameters
@@ -181,7 +123,7 @@ class HFBackend:
         token_id = tok.convert_tokens_to_ids("<|im_end|>")
         return token_id if isinstance(token_id, int) and token_id in self.stop_ids else tok.eos_token_id
 
-    def trie(self, choices: Sequence[str]) -> TokenTrie:
+    def constraint(self, choices: Sequence[str]) -> TokenTrie:
         """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
         key = tuple(choices)
         if key not in self._tries:
@@ -389,9 +331,20 @@ class HFBackend:
             _, evicted = self._prefixes.popitem(last=False)
             total -= len(evicted.token_ids)
 
-    def clear_prefixes(self) -> None:
+    def reset_cache(self) -> None:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
         self._prefixes.clear()
+
+    def sync(self, policy: Any) -> None:
+        """The learner updated ``policy``, the very module this backend runs: nothing to copy, but every kept
+        prefix was computed with the old weights."""
+        if policy is not self.model:
+            raise ValueError("the hf backend samples the module it was built on; build a backend for this policy")
+        self.reset_cache()
+
+    def close(self) -> None:
+        """Release the kept prefixes (the weights belong to the caller)."""
+        self.reset_cache()
 
     def _forced(self, node: TokenTrie | None, budget: int) -> list[int]:
         """The tokens a constraint leaves no choice about after ``node`` (never a stop token, within budget)."""

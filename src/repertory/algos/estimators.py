@@ -1,24 +1,20 @@
-"""Advantage estimators and per-token losses (algorithms.md sections 2-7).
+"""Advantage estimators (docs/algorithms.md sections 2-4 and 7): what they read and return, their registry, and
+the built-in ones, pure Python over float64 (no torch, so configs validate estimator names without it).
 
-Estimators turn the per-turn rewards (and, for critic estimators, per-token values) of trainable seats into
-per-token advantages. They are pure functions over plain lists of Python floats (float64 math); the only
-state they touch is the trainer-owned, JSON-serialisable ``state`` dict holding the EMA baselines. The
-losses are per-token torch functions; :func:`aggregation_weights` turns them into one scalar per
-mini-batch so that gradient accumulation over micro-batches reproduces the unsplit gradient. The
-batch-online section (sections 5 and 6) holds the math of Iterative GRPO and its baselines: the Q-head
-loss, candidate advantages, the reporting metric, and the MT-SFT, MT-KTO and ArCHer pieces.
+Each estimator is registered by name with its metadata (needs a critic, whitened by default);
+:func:`whiten` is the batch-level post-processing of section 2.6.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
-from torch.nn import functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from repertory.stats import mean as _mean
+from repertory.stats import std as _std
 from repertory.types import RepertoryError
 
 # ----------------------------------------------------------------------------------------------------------
@@ -48,26 +44,48 @@ class TrajectoryInput:
     opponent_round_points: list[float] | None = None  # the other seat's raw points per round, same match
 
 
-@dataclass
-class EstimatorParams:
-    """Hyper-parameters of every estimator; each estimator reads only its own."""
+GRPO_SCALES = ("group", "none")
+EMA_UPDATES = ("per_trajectory", "per_batch")
 
-    gamma_turn: float = 0.95  # OMAR stage 1
-    lambda_turn: float = 0.95
-    gamma_token: float = 1.0  # OMAR stage 2
-    lambda_token: float = 1.0
-    gamma: float = 1.0  # MT-PPO token-level GAE (section 3)
-    lam: float = 0.95
-    grpo_scale: str = "group"  # "group" | "none" (Dr. GRPO)
-    ema_alpha: float = 0.95
-    ema_update: str = "per_trajectory"  # "per_trajectory" | "per_batch"
-    turn_discount: float = 1.0  # 4.6 gamma for critic-free per-turn advantages
-    strict: bool = False  # singleton groups raise instead of giving 0
-    round_gamma: float = 0.9  # 7.2 return discount over rounds
-    aa_gamma: float = 0.9  # 7.3 gamma_aa of the shaping sum
-    aa_beta: float = 0.5  # 7.3 shaping strength
-    reward_constant: float = 1.0  # 7.1 c: step reward = raw round points / c
-    discount_state_visitation: bool = False  # 7.3 multiply C_t by round_gamma^t
+
+class EstimatorParams(BaseModel):
+    """Which estimator and the hyper-parameters of every estimator; each estimator reads only its own. The one
+    declaration of these settings: the config's ``algo`` section extends it with the loss and optimiser."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    estimator: str = Field(
+        "omar",
+        description="Advantage estimator: omar, gae, grpo, rloo, reinforce-pp, reinforce, rae, adalign, naive, "
+        "shared-reward.",
+    )
+    gamma_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level discount.")
+    lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
+    gamma_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level discount.")
+    lambda_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level GAE lambda.")
+    gamma: float = Field(1.0, ge=0, le=1, description="MT-PPO (gae) discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="MT-PPO (gae) lambda.")
+    grpo_scale: str = Field("group", description="GRPO: divide by the group std (group) or not (none, Dr. GRPO).")
+    ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
+    ema_update: str = Field(
+        "per_trajectory", description="EMA baseline update order: per_trajectory or per_batch (reinforce, rae)."
+    )
+    turn_discount: float = Field(1.0, ge=0, le=1, description="Per-turn discount of critic-free advantages.")
+    round_gamma: float = Field(0.9, ge=0, le=1, description="adalign/naive/shared-reward: return discount over rounds.")
+    aa_gamma: float = Field(0.9, ge=0, le=1, description="adalign: discount gamma_aa of the opponent-shaping sum.")
+    aa_beta: float = Field(0.5, ge=0, description="adalign: strength beta of the opponent-shaping term.")
+    reward_constant: float = Field(
+        1.0, gt=0, description="adalign/naive/shared-reward: step reward = raw round points / this constant c."
+    )
+    discount_state_visitation: bool = Field(False, description="adalign family: multiply round t's credit by gamma^t.")
+    strict: bool = Field(False, description="Critic-free estimators: a group with one member is an error, not 0.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        if name not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}")
+        return name
 
 
 @dataclass
@@ -119,19 +137,6 @@ def get_estimator(name: str) -> EstimatorSpec:
 # ----------------------------------------------------------------------------------------------------------
 # Shared pieces
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _mean(xs: list[float]) -> float:
-    # fsum is exactly rounded, so group statistics do not depend on the order of the batch.
-    return math.fsum(xs) / len(xs)
-
-
-def _std(xs: list[float]) -> float:
-    """Unbiased standard deviation; 0 for fewer than two numbers (section 0)."""
-    if len(xs) < 2:
-        return 0.0
-    mean = _mean(xs)
-    return math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -330,7 +335,7 @@ def _grouped(
 @register_estimator("grpo")
 def grpo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
     """Trajectory-level GRPO (4.2): group-normalised seat return; grpo_scale "none" only centres (Dr. GRPO)."""
-    if params.grpo_scale not in ("group", "none"):
+    if params.grpo_scale not in GRPO_SCALES:
         raise RepertoryError(f"grpo_scale must be 'group' or 'none', got {params.grpo_scale!r}")
 
     def centre(returns: list[float]) -> list[float]:
@@ -393,7 +398,7 @@ def _ema(seats: list[_Seat], params: EstimatorParams, state: dict, per_batch: bo
 @register_estimator("reinforce")
 def reinforce(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
     """REINFORCE with a persistent EMA baseline per (env, role) (4.4), updated per trajectory or per batch."""
-    if params.ema_update not in ("per_trajectory", "per_batch"):
+    if params.ema_update not in EMA_UPDATES:
         raise RepertoryError(f"ema_update must be 'per_trajectory' or 'per_batch', got {params.ema_update!r}")
     per_batch = params.ema_update == "per_batch"
     return _critic_free_estimate(trajectories, params, lambda seats, _: _ema(seats, params, state, per_batch))
@@ -523,185 +528,6 @@ def shared_reward(trajectories: list[TrajectoryInput], params: EstimatorParams, 
     return _round_estimate(trajectories, params, lambda a1, a2, p: [x + y for x, y in zip(a1, a2)])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Batch-online RL (sections 5, 6): I-GRPO's Q-head and candidates, the metric, MT-SFT, MT-KTO, ArCHer
-# ----------------------------------------------------------------------------------------------------------
-
-# The Monte-Carlo Q targets G_t of 5.4 are discounted_returns (shared pieces) of the per-turn rewards.
-
-
-def q_uses_bce(targets: list[float]) -> bool:
-    """Whether the Q-head trains with BCE (every target in [0, 1]) rather than MSE (5.4); decide once per
-    dataset, since the warm-start bias and the meaning of the head output depend on it."""
-    return all(0.0 <= g <= 1.0 for g in targets)
-
-
-def q_head_init_bias(mean_target: float, bce: bool) -> float:
-    """Round-0 bias of the Q-head, whose weights start at 0 (5.4): logit(clip(mean G, 1e-3, 1 - 1e-3)) under
-    BCE, mean G under MSE."""
-    if not bce:
-        return mean_target
-    p = min(max(mean_target, 1e-3), 1 - 1e-3)
-    return math.log(p / (1 - p))
-
-
-def q_values(z: Tensor, bce: bool) -> Tensor:
-    """Q estimates from head outputs z (5.4): sigma(z) under BCE, z under MSE."""
-    return torch.sigmoid(z) if bce else z
-
-
-def q_loss(z: Tensor, targets: Tensor, bce: bool) -> Tensor:
-    """Q-head loss, mean over examples (5.4): BCE with soft targets on q = sigma(z), else MSE on q = z."""
-    targets = targets.to(z.dtype)
-    if not bce:
-        return F.mse_loss(z, targets)
-    if ((targets < 0) | (targets > 1)).any():
-        raise RepertoryError("BCE needs Q targets in [0, 1]; train with bce=False (MSE)")
-    # On the logits: log(sigma(z)) underflows for large |z|.
-    return F.binary_cross_entropy_with_logits(z, targets)
-
-
-def candidate_advantages(scores: list[float], valid: list[bool] | None = None, scale: bool = True) -> list[float]:
-    """Single-turn GRPO advantages of one state's N_c candidates (5.5): the Qhat scores, 0 for candidates that
-    fail the format gate (``valid`` False), normalised with :func:`group_normalise`; with ``scale`` False only
-    centred (Dr. GRPO), so they stay in Q's units and a group Q cannot tell apart gets advantages near 0."""
-    if valid is not None:
-        if len(valid) != len(scores):
-            raise RepertoryError(f"{len(valid)} format-gate flags for {len(scores)} candidates")
-        scores = [s if ok else 0.0 for s, ok in zip(scores, valid)]
-    if scale or len(scores) < 2 or all(x == scores[0] for x in scores):
-        return group_normalise(scores)
-    mean = _mean(scores)
-    return [s - mean for s in scores]
-
-
-def expected_discounted_return(conversations: list[tuple[float, int]], gamma: float) -> float:
-    """J = mean of gamma^T * R over held-out conversations given as (R, T), i.e. the mean G_0 (5.7)."""
-    if not conversations:
-        raise RepertoryError("no conversations to score")
-    return _mean([gamma**t * r for r, t in conversations])
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and standard error (unbiased std / sqrt(n)); SE 0 for a single value, both NaN for none."""
-    if not values:
-        return math.nan, math.nan
-    return _mean(values), _std(values) / math.sqrt(len(values))
-
-
-def seed_summary(scores: list[float]) -> tuple[float, float]:
-    """Mean and standard error of per-seed scores (5.7); SE 0 for a single seed."""
-    if not scores:
-        raise RepertoryError("no seed scores to summarise")
-    return mean_se(scores)
-
-
-def format_mean_se(mean: float, se: float, digits: int = 2) -> str:
-    """Mean ± SE the way the I-GRPO tables print it (5.7): "0.55 ± .01", the SE without its leading zero."""
-    se_text = f"{se:.{digits}f}"
-    if se_text.startswith("0."):
-        se_text = se_text[1:]
-    return f"{mean:.{digits}f} ± {se_text}"
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    """numpy.quantile's default: linear interpolation between order statistics, from the nearer one as numpy
-    does, so cutoffs match numpy to the bit."""
-    xs = sorted(xs)
-    position = (len(xs) - 1) * q
-    if position >= len(xs) - 1:
-        return xs[-1]
-    lo = math.floor(position)
-    a, b, frac = xs[lo], xs[lo + 1], position - lo
-    return b - (b - a) * (1 - frac) if frac >= 0.5 else a + (b - a) * frac
-
-
-def filtered_bc_keep(returns: list[float], q: float = 0.9) -> tuple[float, list[bool]]:
-    """MT-SFT filter over one round's conversations (6.1): the cutoff quantile(G_0, q) and, per conversation,
-    whether it is kept (G_0 >= cutoff and G_0 > 0)."""
-    if not returns:
-        raise RepertoryError("no conversations to filter")
-    if not 0.0 <= q <= 1.0:
-        raise RepertoryError(f"quantile q must be in [0, 1], got {q}")
-    cutoff = _quantile(returns, q)
-    return cutoff, [g >= cutoff and g > 0 for g in returns]
-
-
-def kto_labels(kernel_ids: list[str], returns: list[float]) -> list[bool | None]:
-    """MT-KTO label of each conversation of one round (6.2): True (desirable) if its G_0 is above the mean G_0
-    of its kernel's conversations, False (undesirable) if below, None (dropped) if equal."""
-    if len(kernel_ids) != len(returns):
-        raise RepertoryError(f"{len(kernel_ids)} kernel ids for {len(returns)} returns")
-    by_kernel: dict[str, list[float]] = {}
-    for kernel, g in zip(kernel_ids, returns):
-        by_kernel.setdefault(kernel, []).append(g)
-    means = {kernel: _mean(gs) for kernel, gs in by_kernel.items()}
-    # The tolerance absorbs the rounding of a mean of equal returns, so all-equal kernels drop every conversation.
-    return [None if abs(g - means[k]) <= 1e-12 else g > means[k] for k, g in zip(kernel_ids, returns)]
-
-
-def kto_lambdas(n_d: int, n_u: int, lambda_d: float = 1.0, lambda_u: float = 1.0) -> tuple[float, float]:
-    """KTO class weights after the once-per-round imbalance rule (6.2): a ratio lambda_D n_D / (lambda_U n_U)
-    below 1 raises lambda_D to make it 1, one above 4/3 raises lambda_U to make it 4/3; unchanged otherwise
-    or when a class is empty. With unit weights this is lambda_D = n_U / n_D, lambda_U = 0.75 n_D / n_U."""
-    if n_d == 0 or n_u == 0:
-        return lambda_d, lambda_u
-    ratio = lambda_d * n_d / (lambda_u * n_u)
-    if ratio < 1:
-        return lambda_u * n_u / n_d, lambda_u
-    if ratio > 4 / 3:
-        return lambda_d, 0.75 * lambda_d * n_d / n_u
-    return lambda_d, lambda_u
-
-
-def kto_loss(
-    r: Tensor,
-    mismatched_r: Tensor,
-    desirable: Tensor,
-    beta: float = 0.1,
-    lambda_d: float = 1.0,
-    lambda_u: float = 1.0,
-) -> Tensor:
-    """Per-sample KTO loss (6.2). ``r`` = log pi(y|x) - log pi_ref(y|x) summed over the response tokens;
-    ``mismatched_r`` = the same for the micro-batch's pairs (x_i, y_{(i-1) mod n}), whose mean clipped at 0 is
-    the detached reference point z0; ``desirable`` is a bool tensor of labels."""
-    z0 = torch.clamp(mismatched_r.detach().mean(), min=0.0)
-    loss_d = lambda_d * (1 - torch.sigmoid(beta * (r - z0)))
-    loss_u = lambda_u * (1 - torch.sigmoid(beta * (z0 - r)))
-    return torch.where(desirable, loss_d, loss_u)
-
-
-def archer_q_target(reward: Tensor, done: Tensor, v_bar: Tensor, gamma: float) -> Tensor:
-    """ArCHer critic target y_Q = r + gamma * (1 - d) * Vbar(s') of a Q head (6.4); no gradient reaches the
-    target network."""
-    return (reward + gamma * (1 - done.to(v_bar.dtype)) * v_bar).detach()
-
-
-def archer_actor_loss(q1: Tensor, q2: Tensor, v1: Tensor, v2: Tensor, seq_logp: Tensor) -> tuple[Tensor, Tensor]:
-    """ArCHer actor loss -mean_s[A * log pi(a_pi|s)] over states, with the sequence log-prob summed over the
-    tokens of a_pi, and the detached advantages A = min(Q1, Q2)(s, a_pi) - min(V1, V2)(s) (6.4)."""
-    advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).detach()
-    return -(advantages * seq_logp).mean(), advantages
-
-
-@torch.no_grad()
-def soft_update(
-    target: torch.nn.Module | Iterable[Tensor], online: torch.nn.Module | Iterable[Tensor], tau: float
-) -> None:
-    """Polyak update of a target network in place, theta_bar = (1 - tau) * theta_bar + tau * theta (6.4)."""
-    targets, onlines = (list(m.parameters()) if isinstance(m, torch.nn.Module) else list(m) for m in (target, online))
-    # lerp_ would broadcast a smaller tensor silently.
-    if [t.shape for t in targets] != [o.shape for o in onlines]:
-        raise RepertoryError("target and online parameters differ in number or shape")
-    for t, o in zip(targets, onlines):
-        t.lerp_(o, tau)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Whitening and per-token losses (2.6, 2.7)
-# ----------------------------------------------------------------------------------------------------------
-
-
 def whiten(advantages: list[list[list[float]]]) -> list[list[list[float]]]:
     """(A - mean) / (std + 1e-8) over every token of the batch (2.6); all zeros when fewer than two tokens."""
     flat = [a for traj in advantages for turn in traj for a in turn]
@@ -709,103 +535,3 @@ def whiten(advantages: list[list[list[float]]]) -> list[list[list[float]]]:
         return [[[0.0] * len(turn) for turn in traj] for traj in advantages]
     mean, scale = _mean(flat), _std(flat) + 1e-8
     return [[[(a - mean) / scale for a in turn] for turn in traj] for traj in advantages]
-
-
-def policy_loss(
-    logp_new: Tensor,
-    logp_old: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate per token, and a 0/1 indicator of tokens where the clipped term is strictly
-    smaller (clip fraction); ``dual_clip`` = c > 1 bounds the loss by -c * A where A < 0."""
-    ratio = torch.exp(logp_new - logp_old)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    if dual_clip is not None:
-        if dual_clip <= 1:
-            raise RepertoryError(f"dual_clip must be > 1, got {dual_clip}")
-        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
-    return loss, (clipped < unclipped).to(loss.dtype)
-
-
-def truncated_is_loss(
-    logp_new: Tensor, logp_sample: Tensor, advantages: Tensor, cap: float = 2.0
-) -> tuple[Tensor, Tensor]:
-    """REINFORCE with a truncated importance weight (7.4): -w * A * logp_new per token, and the detached
-    weights w = min(exp(logp_new - logp_sample), cap), which also weight the KL term."""
-    weights = torch.clamp(torch.exp(logp_new - logp_sample), max=cap).detach()
-    return -weights * advantages * logp_new, weights
-
-
-def reinforce_loss(logp_new: Tensor, advantages: Tensor) -> Tensor:
-    """Plain policy-gradient loss per token: -A * logp_new."""
-    return -advantages * logp_new
-
-
-def value_loss(v_new: Tensor, v_old: Tensor, returns: Tensor, eps_v: float = 0.2) -> Tensor:
-    """Clipped critic loss per token: 0.5 * max((v_new - G)^2, (v_clip - G)^2) (2.7)."""
-    v_clip = v_old + torch.clamp(v_new - v_old, -eps_v, eps_v)
-    return 0.5 * torch.maximum((v_new - returns) ** 2, (v_clip - returns) ** 2)
-
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def kl_penalty(logp_new: Tensor, logp_ref: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token KL estimate of the current policy from the reference (Schulman's k1, k2, k3)."""
-    # Clamps keep exp finite and k3 bounded when the policies drift far apart (2.7).
-    d = torch.clamp(logp_ref - logp_new, -20.0, 20.0)
-    if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d**2
-    if kind == "k3":
-        return torch.clamp(torch.exp(d) - d - 1, 0.0, 10.0)
-    raise RepertoryError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / T) at each position (over the last dimension)."""
-    if temperature <= 0:
-        raise RepertoryError(f"temperature must be > 0, got {temperature}")
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Aggregation (2.7)
-# ----------------------------------------------------------------------------------------------------------
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-
-def aggregation_weights(sample_lengths: list[int], mode: str, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Per-token weights, concatenated in sample order, with sum(weights * l) = the aggregation of l over the
-    whole mini-batch. Slice them per micro-batch: N_tok and the sample count stay those of the mini-batch,
-    so accumulated micro-batch gradients equal the unsplit one. Samples with no tokens are ignored."""
-    if mode not in AGGREGATIONS:
-        raise RepertoryError(f"unknown aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
-    if any(n < 0 for n in sample_lengths):
-        raise RepertoryError(f"negative sample length in {sample_lengths}")
-    n_tokens = sum(sample_lengths)
-    n_samples = sum(1 for n in sample_lengths if n > 0)
-    if mode == "token-mean":
-        per_sample = [1 / n_tokens if n else 0.0 for n in sample_lengths]
-    elif mode == "seq-mean-token-mean":
-        per_sample = [1 / (n_samples * n) if n else 0.0 for n in sample_lengths]
-    else:
-        per_sample = [1 / n_samples if n else 0.0 for n in sample_lengths]
-    weights = torch.tensor(per_sample, dtype=torch.float64)
-    return torch.repeat_interleave(weights, torch.tensor(sample_lengths, dtype=torch.long)).to(dtype)
-
-
-def aggregate(per_token: Tensor, sample_lengths: list[int], mode: str) -> Tensor:
-    """Aggregate a 1-D per-token loss over a mini-batch whose samples have ``sample_lengths`` tokens."""
-    weights = aggregation_weights(sample_lengths, mode, dtype=per_token.dtype).to(per_token.device)
-    if per_token.shape != weights.shape:
-        raise RepertoryError(f"per-token loss of shape {tuple(per_token.shape)} for {sum(sample_lengths)} tokens")
-    return (weights * per_token).sum()

@@ -1,14 +1,10 @@
-"""Evaluation: held-out scores of one agent, and cross-play tournaments among any set of agents.
+"""Cross-play tournaments among any set of agents and their game-theoretic summary (docs/algorithms.md 8.2, 8.4).
 
-``evaluate`` plays one agent on held-out kernels, either in every seat (self-play) or against an
-opponent with the seats balanced, and reports its normalised outcome per role with standard
-errors. In cross-play every ordered pair (row agent in the first seat, column agent in the second) plays the same
-kernels with the same episode seeds, so differences between cells come from the agents alone.
-All pairs run through the rollout engine together: one batched call per agent per tick.
-``crossplay_report`` turns a cross-play into the game-theoretic summary of algorithms.md 8.2 and
-8.4: the outcome matrix M and welfare matrix W over both seat orders, Bradley-Terry ratings,
-cooperation metrics per agent and, in the prisoner's dilemma, the classic strategy each agent
-plays most like.
+In cross-play every ordered pair (row agent in the first seat, column agent in the second) plays the same
+kernels with the same episode seeds, so differences between cells come from the agents alone. All pairs run
+through the rollout engine together: one batched call per agent per tick. ``crossplay_report`` turns a
+cross-play into the outcome matrix M and welfare matrix W over both seat orders, Bradley-Terry ratings,
+cooperation metrics per agent and, in the prisoner's dilemma, the classic strategy each agent plays most like.
 """
 
 from __future__ import annotations
@@ -17,65 +13,31 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from repertory.agents import Agent
-from repertory.algos import mean_se
+from repertory.agents import Agent, LMOptions
+from repertory.agents.resolve import make_agent
 from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
-from repertory.types import Episode, RepertoryError, RoleResult
+from repertory.eval import PairResult, summarize
+from repertory.rollout import guarded_seats, run_episodes, schedule
+from repertory.stats import mean_se
+from repertory.types import Episode, RepertoryError
 
-DISCOUNT = 0.95
-"""gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (environments.md 1.4)."""
-
-
-def discounted(role: RoleResult, gamma: float = DISCOUNT) -> float:
-    """One game's discounted return: gamma^(n-1) * outcome, n being the role's own turns."""
-    return gamma ** max(role.n_turns - 1, 0) * role.outcome
+Matrix = dict[str, dict[str, tuple[float, float]]]
+"""``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
 
 
-@dataclass
-class PairResult:
-    """Aggregates of one line-up: per seat mean points and outcome with standard errors, metrics."""
+IPD_STRATEGIES: dict[str, Callable[[str, str], str]] = {
+    "always-cooperate": lambda own, other: "A",
+    "always-defect": lambda own, other: "B",
+    "tit-for-tat": lambda own, other: other[-1] if other else "A",
+    "suspicious-tit-for-tat": lambda own, other: other[-1] if other else "B",
+    "win-stay-lose-shift": lambda own, other: ("A" if own[-1] == other[-1] else "B") if own else "A",
+    "grim-trigger": lambda own, other: "B" if "B" in other else "A",
+}
+"""Classic IPD strategies: the move (A cooperates, B defects) after the player's and its partner's
+earlier moves. The order breaks ties in agreement: unconditional strategies first, then those that
+remember one round, then grim trigger, which remembers the whole game. Win-stay-lose-shift (Pavlov)
+repeats its move after the partner cooperated and switches after it defected."""
 
-    agents: list[str]
-    episodes: int
-    points: dict[str, tuple[float, float]]
-    outcome: dict[str, tuple[float, float]]
-    discounted: dict[str, tuple[float, float]]
-    invalid_rate: dict[str, float]
-    metrics: dict[str, float]
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "agents": self.agents,
-            "episodes": self.episodes,
-            "points": {r: m for r, (m, _) in self.points.items()},
-            "points_se": {r: s for r, (_, s) in self.points.items()},
-            "outcome": {r: m for r, (m, _) in self.outcome.items()},
-            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
-            "discounted_return": {r: m for r, (m, _) in self.discounted.items()},
-            "discounted_return_se": {r: s for r, (_, s) in self.discounted.items()},
-            "invalid_rate": self.invalid_rate,
-            "metrics": self.metrics,
-        }
-
-
-def summarize(episodes: list[Episode]) -> PairResult:
-    """Aggregate episodes that share one line-up."""
-    first = episodes[0]
-    names = [s.name for s in first.seats]
-    invalid = {}
-    for n in names:
-        turns = sum(ep.result.roles[n].n_turns for ep in episodes)
-        invalid[n] = sum(ep.result.roles[n].n_invalid for ep in episodes) / turns if turns else 0.0
-    return PairResult(
-        agents=[s.agent for s in first.seats],
-        episodes=len(episodes),
-        points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
-        outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
-        discounted={n: mean_se([discounted(ep.result.roles[n]) for ep in episodes]) for n in names},
-        invalid_rate=invalid,
-        metrics=mean_metrics(episodes),
-    )
 
 
 @dataclass
@@ -153,9 +115,6 @@ WELFARE = "collective_payoff_normalized"
 """The episode metric W averages: the collective payoff as a share of the best possible welfare, which
 every round game reports (in Split No-Comm it is the split efficiency)."""
 
-Matrix = dict[str, dict[str, tuple[float, float]]]
-"""``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
-
 
 @dataclass
 class Ratings:
@@ -203,6 +162,8 @@ class Ratings:
 
 
 MM_TOLERANCE = 1e-12
+
+
 MM_MAX_ITERATIONS = 1_000_000
 
 
@@ -310,20 +271,6 @@ def _reaches_all(members: list[str], edge: Callable[[str, str], bool]) -> bool:
                 reached.add(b)
                 frontier.append(b)
     return len(reached) == len(members)
-
-
-IPD_STRATEGIES: dict[str, Callable[[str, str], str]] = {
-    "always-cooperate": lambda own, other: "A",
-    "always-defect": lambda own, other: "B",
-    "tit-for-tat": lambda own, other: other[-1] if other else "A",
-    "suspicious-tit-for-tat": lambda own, other: other[-1] if other else "B",
-    "win-stay-lose-shift": lambda own, other: ("A" if own[-1] == other[-1] else "B") if own else "A",
-    "grim-trigger": lambda own, other: "B" if "B" in other else "A",
-}
-"""Classic IPD strategies: the move (A cooperates, B defects) after the player's and its partner's
-earlier moves. The order breaks ties in agreement: unconditional strategies first, then those that
-remember one round, then grim trigger, which remembers the whole game. Win-stay-lose-shift (Pavlov)
-repeats its move after the partner cooperated and switches after it defected."""
 
 
 @dataclass
@@ -476,141 +423,34 @@ def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport
     )
 
 
-@dataclass
-class Evaluation:
-    """One agent's held-out scores: outcome and points per role it played, the expected discounted
-    return (mean of gamma^(n-1) * outcome, n the agent's turns), invalid rate, env metrics."""
 
-    env: str
-    agent: str
-    opponent: str
-    episodes: int
-    outcome: dict[str, tuple[float, float]]
-    points: dict[str, tuple[float, float]]
-    overall: tuple[float, float]
-    discounted: tuple[float, float]
-    invalid_rate: float
-    metrics: dict[str, float]
-    gamma: float = DISCOUNT
-    played: list[Episode] = field(default_factory=list, repr=False)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "env": self.env,
-            "agent": self.agent,
-            "opponent": self.opponent,
-            "episodes": self.episodes,
-            "outcome": {r: m for r, (m, _) in self.outcome.items()},
-            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
-            "points": {r: m for r, (m, _) in self.points.items()},
-            "points_se": {r: s for r, (_, s) in self.points.items()},
-            "mean_outcome": self.overall[0],
-            "mean_outcome_se": self.overall[1],
-            "discounted_return": self.discounted[0],
-            "discounted_return_se": self.discounted[1],
-            "gamma": self.gamma,
-            "invalid_rate": self.invalid_rate,
-            "metrics": self.metrics,
-        }
+def lineup_agent(
+    spec: str, env: type[Env], seed: int, model: str, max_new_tokens: int | None, constrained: bool | None
+) -> Agent:
+    """One agent of a cross-play line-up, named by its spec. ``base`` and ``model`` sample at temperature 1
+    with 400 tokens of free text, a trained policy as its run was trained; ``max_new_tokens`` and
+    ``constrained`` override both."""
+    kept = ("temperature",) + (("max_new_tokens",) if max_new_tokens is None else ())
+    kept += ("constrained",) if constrained is None else ()
+    options = LMOptions(model, 1.0, 1.0, max_new_tokens or 400, bool(constrained), seed, as_trained=kept)
+    return make_agent(spec, env, options)
 
 
-def evaluate(
-    env: str,
-    agent: Agent,
-    episodes: int,
-    seed: int,
-    split: str = "heldout",
-    opponent: Agent | None = None,
-    iteration: int = 0,
-    gamma: float = DISCOUNT,
-    max_concurrent: int = 64,
-) -> Evaluation:
-    """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
-    opponent, the agent sits in the game's trained seat where the game fixes one (negotiations),
-    else takes each seat in turn (episode i: seat i mod seats); an opponent that is a model is
-    watched by the partner guard. Scores count the agent's seats only. At most ``max_concurrent``
-    games run at once, so that every running seat's chat stays in the generation prefix cache."""
-    if episodes < 1:
-        raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
+def lineup(specs: str | None, env: str | None) -> tuple[type[Env], list[str]]:
+    """The environment and agent names of ``--agents A,B,...``: at least two distinct names, a two-seat game."""
+    if not specs:
+        raise RepertoryError("crossplay needs --agents, the line-up, for example --agents always-cooperate,base")
+    if env is None:
+        raise RepertoryError("crossplay needs --env, the environment the line-up plays")
     cls = env_class(env)
-    n_seats = len(cls.roles)
-    specs: list[EpisodeSpec] = []
-    for i, spec in enumerate(schedule(env, [agent] * n_seats, episodes, seed, split, iteration=iteration)):
-        spec.episode_id = f"{spec.episode_id}/eval-{agent.name}"
-        if opponent is not None:
-            live = agent_seat(cls, i)
-            spec.agents = [agent if s == live else opponent for s in range(n_seats)]
-            spec.guarded = guarded_seats(cls, spec.agents, live)
-        specs.append(spec)
-    played = run_episodes(specs, max_concurrent=max_concurrent)
-    scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
-    return Evaluation(
-        env=env,
-        agent=agent.name,
-        opponent=opponent.name if opponent is not None else "self",
-        episodes=len(played),
-        outcome={r: mean_se(v) for r, v in scores.outcomes.items()},
-        points={r: mean_se(v) for r, v in scores.points.items()},
-        overall=mean_se([x for v in scores.outcomes.values() for x in v]),
-        discounted=mean_se(scores.discounted),
-        gamma=gamma,
-        invalid_rate=scores.invalid_rate,
-        metrics=mean_metrics(played),
-        played=played,
-    )
-
-
-@dataclass
-class SeatScores:
-    """Outcomes and points per role (display name) over the selected seats, and their invalid actions."""
-
-    outcomes: dict[str, list[float]] = field(default_factory=dict)
-    points: dict[str, list[float]] = field(default_factory=dict)
-    discounted: list[float] = field(default_factory=list)
-    invalid: int = 0
-    turns: int = 0
-
-    @property
-    def invalid_rate(self) -> float:
-        return self.invalid / self.turns if self.turns else 0.0
-
-
-def partner_outcome(result: Evaluation) -> tuple[float, float]:
-    """Mean outcome (and standard error) of the opponent's seats in an evaluation against an opponent."""
-    if result.opponent == "self":
-        raise RepertoryError("a self-play evaluation has no partner")
-    cls = env_class(result.env)
-    scores = seat_scores(result.played, lambda i, s: s != agent_seat(cls, i))
-    return mean_se([x for v in scores.outcomes.values() for x in v])
-
-
-def agent_seat(env: type[Env], episode_index: int) -> int:
-    """The seat a single agent facing an opponent takes in an episode (see ``evaluate``)."""
-    if env.fixed_seat:
-        return env.roles.index(env.default_trained_role)
-    return episode_index % len(env.roles)
-
-
-def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = DISCOUNT) -> SeatScores:
-    """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
-    scores = SeatScores()
-    for i, ep in enumerate(episodes):
-        for s, seat in enumerate(ep.seats):
-            if not selected(i, s):
-                continue
-            role = ep.result.roles[seat.name]
-            scores.outcomes.setdefault(seat.name, []).append(role.outcome)
-            scores.points.setdefault(seat.name, []).append(role.points)
-            scores.discounted.append(discounted(role, gamma))
-            scores.invalid += role.n_invalid
-            scores.turns += role.n_turns
-    return scores
-
-
-def mean_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Each environment metric averaged over the episodes that report it."""
-    names = sorted({k for ep in episodes for k in ep.metrics})
-    return {
-        k: sum(ep.metrics[k] for ep in episodes if k in ep.metrics) / sum(k in ep.metrics for ep in episodes)
-        for k in names
-    }
+    if len(cls.roles) != 2:
+        raise RepertoryError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
+    names = [s.strip() for s in specs.split(",")]
+    if not all(names):
+        raise RepertoryError(f"--agents has an empty name: {specs!r}")
+    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if repeated is not None:
+        raise RepertoryError(f"agent {repeated!r} appears twice in --agents; every agent of the line-up is one name")
+    if len(names) < 2:
+        raise RepertoryError("crossplay needs at least two agents in --agents")
+    return cls, names

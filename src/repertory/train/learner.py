@@ -15,211 +15,27 @@ import copy
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from repertory import algos
+from repertory.agents.lm import LIVE_ADAPTER
+from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.models import LoadedModel
-from repertory.types import Episode, derive
+from repertory.models.packing import PackedSequence, model_inputs, token_batches
+from repertory.train.batch import Batch, Sample
+from repertory.train.heads import ValueModel, with_lora
+from repertory.types import derive
 
-LIVE_ADAPTER = "default"
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REFERENCE_ADAPTER = "reference"
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
-
-@dataclass
-class Sample:
-    """One turn of one trainable seat. ``trained`` is its loss mask (all response tokens or none)."""
-
-    trajectory: int
-    turn: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logp_sample: list[float]
-    trained: bool
-
-    @property
-    def n_tokens(self) -> int:
-        """Valid (loss-mask 1) tokens."""
-        return len(self.response_ids) if self.trained else 0
-
-
-@dataclass
-class TrajectoryRef:
-    """Where a trainable seat's samples came from."""
-
-    episode_index: int
-    seat_index: int
-    episode: Episode
-    seat_id: str
-    samples: list[int]
-
-
-@dataclass
-class PackedSequence:
-    """Token ids fed to the model once, and where each sample's response sits in them.
-
-    A chain by default (each token follows the one before). With ``parents`` the tokens form a tree: each
-    token attends to its ancestors only and sits at its depth, so several responses to one prompt (the
-    candidates of a state) share one encoding of it; every response token gets exactly the log-prob it has
-    as its own sequence."""
-
-    input_ids: list[int]
-    spans: list[tuple[int, int]]  # (sample index, position of the sample's first response token)
-    parents: list[int] | None = None  # per token, the position it follows (-1: the first token)
-
-    def predecessors(self, start: int, n: int) -> list[int]:
-        """Positions whose outputs predict the ``n`` tokens from ``start``."""
-        if self.parents is None:
-            return list(range(start - 1, start - 1 + n))
-        return [self.parents[p] for p in range(start, start + n)]
-
-
-def shared_prompt(prompt: list[int], responses: list[tuple[int, list[int]]]) -> PackedSequence:
-    """One prompt and several (sample index, response) continuations of it as a tree: the prompt once, then
-    each response after it, attending to the prompt and to itself. A single response is a plain chain."""
-    if len(responses) == 1:
-        index, response = responses[0]
-        return PackedSequence(list(prompt) + list(response), [(index, len(prompt))])
-    ids, parents, spans = list(prompt), list(range(-1, len(prompt) - 1)), []
-    for index, response in responses:
-        spans.append((index, len(ids)))
-        parents += [len(prompt) - 1, *range(len(ids), len(ids) + len(response) - 1)][: len(response)]
-        ids += response
-    return PackedSequence(ids, spans, parents)
-
-
-def model_inputs(
-    sequences: list[PackedSequence], pad_id: int, device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Keyword inputs of a decoder for a right-padded batch: a padding mask for chains; for trees, an
-    additive [batch, 1, L, L] mask (a token sees its ancestors) and each token's depth as its position."""
-    width = max(len(s.input_ids) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        ids[b, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
-    if all(s.parents is None for s in sequences):
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for b, seq in enumerate(sequences):
-            mask[b, : len(seq.input_ids)] = 1
-        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-    sees = torch.eye(width, dtype=torch.bool).repeat(len(sequences), 1, 1)  # padding rows see themselves
-    positions = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        if seq.parents is None:
-            n = len(seq.input_ids)
-            sees[b, :n, :n] = torch.ones((n, n), dtype=torch.bool).tril()
-            positions[b, :n] = torch.arange(n)
-            continue
-        for k, parent in enumerate(seq.parents):
-            if parent >= 0:
-                sees[b, k] |= sees[b, parent]
-                positions[b, k] = positions[b, parent] + 1
-    mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": mask.unsqueeze(1).to(device),
-        "position_ids": positions.to(device),
-    }
-
-
-@dataclass
-class Batch:
-    """A rollout batch as the learner sees it; the score fields are filled by :meth:`Learner.score`."""
-
-    trajectories: list[TrajectoryRef]
-    samples: list[Sample]
-    sequences: list[PackedSequence]
-    logp_old: dict[int, torch.Tensor] = field(default_factory=dict)
-    logp_ref: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def n_tokens(self) -> int:
-        """Valid tokens of the batch (N_tok)."""
-        return sum(s.n_tokens for s in self.samples)
-
-    def estimator_inputs(self) -> list[algos.TrajectoryInput]:
-        """One :class:`algos.TrajectoryInput` per trajectory (values when the batch was scored with a critic)."""
-        out = []
-        for ref in self.trajectories:
-            seat = ref.episode.seat(ref.seat_id)
-            samples = [self.samples[i] for i in ref.samples]
-            values = None
-            if self.values:
-                values = [self.values[i].tolist() if s.trained else [] for i, s in zip(ref.samples, samples)]
-            rounds = ref.episode.result.info.get("round_points")
-            opponent = [s for s in ref.episode.seats if s.seat_id != ref.seat_id]
-            turns = ref.episode.trajectory(ref.seat_id)
-            round_fields = {}
-            if rounds is not None and len(opponent) == 1:
-                round_fields = {
-                    "group_id": ref.episode.group_id,
-                    "seat_id": ref.seat_id,
-                    "turn_rounds": [t.game_round - 1 for t in turns],
-                    "round_points": rounds[seat.name],
-                    "opponent_seat_id": opponent[0].seat_id,
-                    "opponent_round_points": rounds[opponent[0].name],
-                }
-            out.append(
-                algos.TrajectoryInput(
-                    env=ref.episode.env,
-                    kernel_id=ref.episode.kernel_id,
-                    iteration=ref.episode.iteration,
-                    role=seat.role,
-                    episode_index=ref.episode_index,
-                    seat_index=ref.seat_index,
-                    rewards=[t.reward for t in turns],
-                    lengths=[s.n_tokens for s in samples],
-                    values=values,
-                    **round_fields,
-                )
-            )
-        return out
-
-
-def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool = False) -> Batch:
-    """The training samples of every trainable seat, packed into sequences where prompts extend."""
-    trajectories: list[TrajectoryRef] = []
-    samples: list[Sample] = []
-    sequences: list[PackedSequence] = []
-    for e, episode in enumerate(episodes):
-        for s, seat in enumerate(episode.seats):
-            if not seat.trainable:
-                continue
-            ref = TrajectoryRef(e, s, episode, seat.seat_id, [])
-            t = len(trajectories)
-            for turn in episode.trajectory(seat.seat_id):
-                trained = bool(turn.response_ids) and not (mask_truncated and turn.finish == "length")
-                ref.samples.append(len(samples))
-                samples.append(
-                    Sample(t, turn.turn_index, turn.prompt_ids, turn.response_ids, turn.logp_sample, trained)
-                )
-            trajectories.append(ref)
-            sequences.extend(_pack([(i, samples[i]) for i in ref.samples if samples[i].trained], packing))
-    return Batch(trajectories, samples, sequences)
-
-
-def _pack(samples: list[tuple[int, Sample]], packing: bool) -> list[PackedSequence]:
-    out: list[PackedSequence] = []
-    for index, sample in samples:
-        full = list(sample.prompt_ids) + list(sample.response_ids)
-        current = out[-1] if out and packing else None
-        if current is not None and full[: len(current.input_ids)] == current.input_ids:
-            current.input_ids = full
-            current.spans.append((index, len(sample.prompt_ids)))
-        else:
-            out.append(PackedSequence(full, [(index, len(sample.prompt_ids))]))
-    return out
 
 
 @dataclass
@@ -229,27 +45,6 @@ class _Scored:
     logp: dict[int, torch.Tensor]
     values: dict[int, torch.Tensor]
     entropy: dict[int, torch.Tensor]
-
-
-class _ValueModel(nn.Module):
-    """A backbone with a scalar head (zero-initialised, so the first values are 0)."""
-
-    def __init__(self, backbone: nn.Module, hidden: int):
-        super().__init__()
-        self.backbone = backbone
-        self.head = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-
-def _with_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    torch.manual_seed(seed)
-    config = PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-    )
-    return get_peft_model(model, config)
 
 
 class Learner:
@@ -266,6 +61,7 @@ class Learner:
         seed: int = 0,
     ):
         self.algo, self.critic_config, self.seed = algo, critic, seed
+        self.policy_loss = losses.get_policy_loss(algo.policy_loss)
         self.temperature = temperature
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -274,7 +70,7 @@ class Learner:
         critic_base = copy.deepcopy(base) if needs_critic and not critic.share_backbone else None
         self.reference: nn.Module | None = None
         if lora.enabled:
-            self.peft = _with_lora(base, lora, derive(seed, "lora", "policy"))
+            self.peft = with_lora(base, lora, derive(seed, "lora", "policy"))
         else:
             self.peft = None
             self.reference = copy.deepcopy(base).requires_grad_(False)
@@ -283,17 +79,17 @@ class Learner:
         self.reference_adapter: str | None = None
         self.round_reference: nn.Module | None = None
         self.policy_params = [p for p in base.parameters() if p.requires_grad]
-        self.value: _ValueModel | None = None
+        self.value: ValueModel | None = None
         self.critic_peft = None
         if needs_critic:
             if critic_base is None:
-                self.value = _ValueModel(base.get_decoder(), hidden).to(self.device)
+                self.value = ValueModel(base.get_decoder(), hidden).to(self.device)
             else:
                 if lora.enabled:
-                    self.critic_peft = _with_lora(critic_base, lora, derive(seed, "lora", "critic"))
+                    self.critic_peft = with_lora(critic_base, lora, derive(seed, "lora", "critic"))
                 else:
                     critic_base.requires_grad_(True)
-                self.value = _ValueModel(critic_base.get_decoder(), hidden).to(self.device)
+                self.value = ValueModel(critic_base.get_decoder(), hidden).to(self.device)
         self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=algo.weight_decay)
         warmup = algo.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -367,7 +163,7 @@ class Learner:
         logp = _split(token_logp, owners)
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
-                ents = _split(algos.entropy_from_logits(logits), owners)
+                ents = _split(losses.entropy_from_logits(logits), owners)
         if values and self.value is not None and not reference:
             if self.shared_critic:
                 value_hidden = picked
@@ -509,7 +305,7 @@ class Learner:
         algo = self.algo
         order = [index for seq in mini for index, _ in seq.spans]
         lengths = [batch.samples[i].n_tokens for i in order]
-        weights = algos.aggregation_weights(lengths, algo.aggregation).to(self.device)
+        weights = losses.aggregation_weights(lengths, algo.aggregation).to(self.device)
         offsets, total = {}, 0
         for index, n in zip(order, lengths):
             offsets[index] = (total, n)
@@ -525,15 +321,11 @@ class Learner:
             ref = torch.cat([batch.logp_ref[i] for i in idx])
             adv = torch.cat([advantages[i] for i in idx]).to(self.device, logp.dtype)
             ent = torch.cat([scored.entropy[i] for i in idx])
-            kl = algos.kl_penalty(logp, ref, algo.kl_estimator)
-            if algo.policy_loss == "ppo":
-                l_pg, clipped = algos.policy_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
-            elif algo.policy_loss == "tis":
-                l_pg, is_weights = algos.truncated_is_loss(logp, old, adv, algo.is_cap)
-                clipped = (is_weights >= algo.is_cap).to(logp.dtype)
-                kl = is_weights * kl
-            else:
-                l_pg, clipped = algos.reinforce_loss(logp, adv), torch.zeros_like(logp)
+            kl = losses.kl_penalty(logp, ref, algo.kl_estimator)
+            terms = self.policy_loss(logp, old, adv, algo)
+            l_pg, clipped = terms.loss, terms.clipped
+            if terms.kl_weights is not None:
+                kl = terms.kl_weights * kl
             loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()
             if algo.kl_mode == "loss":
                 loss = loss + algo.beta_kl * (w * kl).sum()
@@ -541,7 +333,7 @@ class Learner:
                 v_new = torch.cat([scored.values[i] for i in idx])
                 v_old = torch.cat([batch.values[i] for i in idx])
                 g = torch.cat([returns[i] for i in idx]).to(self.device, v_new.dtype)
-                l_v = (w * algos.value_loss(v_new, v_old, g, algo.eps_v)).sum()
+                l_v = (w * losses.value_loss(v_new, v_old, g, algo.eps_v)).sum()
                 loss = loss + (self.critic_config.value_coef if self.shared_critic else 1.0) * l_v
                 sums["loss/value"] += float(l_v.detach())
             loss.backward()
@@ -597,22 +389,6 @@ class Learner:
         state = torch.load(directory / "optimizer.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (longest x count) stays within ``budget`` tokens; a longer
-    sequence goes alone."""
-    out: list[list[int]] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        grown = max(longest, n)
-        if out and grown * (len(out[-1]) + 1) <= budget:
-            out[-1].append(i)
-            longest = grown
-        else:
-            out.append([i])
-            longest = n
-    return out
 
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:

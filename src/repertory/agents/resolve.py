@@ -1,0 +1,100 @@
+"""The one resolver of agent specs: what ``--agents``, ``--vs``, ``rollout.opponent`` and the trainers name.
+
+Specs, for an environment:
+
+- a bot of the environment (``tit-for-tat``, ``bot``, ...; ``repertory envs`` lists them);
+- ``script:FILE`` (one response per line, per seat and episode) and ``human`` (you, at the terminal);
+- ``model``: the language model of the options (the embedded SmolLM2 unless another is given);
+- ``base``: the untrained model; beside a live policy, the live model with its LoRA adapters off (or its
+  frozen initial weights under full fine-tuning), so no second copy is loaded;
+- ``model:PATH``: a Hugging Face checkpoint directory, or a run or checkpoint directory of repertory (its
+  trained policy, frozen, LoRA merged); a bare run or checkpoint directory is the same;
+- ``snapshot@K``: beside a live policy with an opponent pool, its snapshot of iteration K as an adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, ScriptAgent, agent_names
+from repertory.agents.lm import AdapterAgent, AdaptersOff, LMAgent, shared_backend
+from repertory.envs import Env
+from repertory.generation import SamplingParams, make_backend
+from repertory.models import LoadedModel
+from repertory.models.checkpoints import load_policy
+from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
+from repertory.types import RepertoryError
+
+
+@dataclass
+class LivePolicy:
+    """A trainer's live policy, against which ``base`` and ``snapshot@K`` resolve without loading weights."""
+
+    agent: LMAgent
+    peft: Any = None  # LoRA: the live PEFT model (base = adapters off; snapshots = other adapters)
+    reference: LoadedModel | None = None  # full fine-tuning: the frozen initial weights
+    load_snapshot: Callable[[int], str] | None = None  # snapshot K -> the name of its loaded adapter
+
+
+def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live: LivePolicy | None = None) -> Agent:
+    """The agent ``spec`` names for ``env`` (see the module docstring); ``options`` configure language models,
+    ``live`` is the trainer's policy. An unknown spec raises one line naming the accepted forms."""
+    options = options or LMOptions()
+    if spec in env.bots:
+        return BotAgent(spec, env.bots[spec])
+    if spec.startswith("script:"):
+        path = spec[len("script:") :]
+        if not path:
+            raise RepertoryError("script: needs a file, as in script:moves.txt")
+        return ScriptAgent(path)
+    if spec == "human":
+        return HumanAgent()
+    if spec == "base":
+        return _base(options, live) if live is not None else _model(options.model, "base", options)
+    if spec == "model":
+        if live is not None:
+            raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
+        return _model(options.model, "model", options)
+    if spec.startswith("snapshot@") and live is not None and live.load_snapshot is not None:
+        iteration = spec.removeprefix("snapshot@")
+        if iteration.isdigit():
+            agent = LMAgent(live.agent.backend, spec, live.agent.params, live.agent.constrained, live.agent.seed, spec)
+            return AdapterAgent(agent, live.peft, live.load_snapshot(int(iteration)))
+    path = spec.removeprefix("model:")
+    if path and is_run_or_checkpoint(path):
+        return trained_policy(path, options, name=spec)
+    if spec.startswith("model:") and path:
+        return _model(path, spec, options)
+    raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")
+
+
+def trained_policy(path: str, options: LMOptions, name: str | None = None, policy_id: str | None = None) -> LMAgent:
+    """A run's newest (or a given checkpoint's) trained policy as a frozen agent with its own weights, sampled
+    with ``options`` except the fields its run keeps (``options.as_trained``); named ``RUN@K`` and
+    ``snapshot@K`` unless ``name`` and ``policy_id`` say otherwise."""
+    checkpoint, config = resolve_checkpoint(path)
+    trained = {field: getattr(config.rollout, field) for field in options.as_trained}
+    options = replace(options, **trained)
+    loaded = load_policy(checkpoint, config, options.device)
+    params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
+    backend = make_backend(config.rollout.backend, loaded)
+    agent_id = policy_id or f"snapshot@{int(checkpoint.name)}"
+    return LMAgent(backend, name or loaded.name, params, options.constrained, options.seed, agent_id)
+
+
+def _model(model: str, name: str, options: LMOptions) -> LMAgent:
+    params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
+    return LMAgent(shared_backend(model, options.device), name, params, options.constrained, options.seed)
+
+
+def _base(options: LMOptions, live: LivePolicy) -> Agent:
+    agent = live.agent
+    if live.peft is not None:
+        base = LMAgent(agent.backend, "base", agent.params, agent.constrained, agent.seed, "base")
+        return AdaptersOff(base, live.peft)
+    if live.reference is None:
+        raise RepertoryError("'base' beside a live policy needs its LoRA model or its frozen reference")
+    frozen = make_backend("hf", live.reference)
+    return LMAgent(frozen, "base", agent.params, agent.constrained, agent.seed, "base")

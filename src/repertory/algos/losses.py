@@ -1,0 +1,173 @@
+"""Per-token losses (docs/algorithms.md 2.6-2.7, 7.4) and the registry of policy losses.
+
+Every loss is a torch function of per-token tensors; :func:`aggregation_weights` turns per-token losses into one
+scalar per mini-batch so that gradient accumulation over micro-batches reproduces the unsplit gradient. A
+policy loss is registered by name (``algo.policy_loss``) with :func:`register_policy_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from repertory.types import RepertoryError
+
+
+def policy_loss(
+    logp_new: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token, and a 0/1 indicator of tokens where the clipped term is strictly
+    smaller (clip fraction); ``dual_clip`` = c > 1 bounds the loss by -c * A where A < 0."""
+    ratio = torch.exp(logp_new - logp_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise RepertoryError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    return loss, (clipped < unclipped).to(loss.dtype)
+
+
+def truncated_is_loss(
+    logp_new: Tensor, logp_sample: Tensor, advantages: Tensor, cap: float = 2.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE with a truncated importance weight (7.4): -w * A * logp_new per token, and the detached
+    weights w = min(exp(logp_new - logp_sample), cap), which also weight the KL term."""
+    weights = torch.clamp(torch.exp(logp_new - logp_sample), max=cap).detach()
+    return -weights * advantages * logp_new, weights
+
+
+def reinforce_loss(logp_new: Tensor, advantages: Tensor) -> Tensor:
+    """Plain policy-gradient loss per token: -A * logp_new."""
+    return -advantages * logp_new
+
+
+def value_loss(v_new: Tensor, v_old: Tensor, returns: Tensor, eps_v: float = 0.2) -> Tensor:
+    """Clipped critic loss per token: 0.5 * max((v_new - G)^2, (v_clip - G)^2) (2.7)."""
+    v_clip = v_old + torch.clamp(v_new - v_old, -eps_v, eps_v)
+    return 0.5 * torch.maximum((v_new - returns) ** 2, (v_clip - returns) ** 2)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp_new: Tensor, logp_ref: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL estimate of the current policy from the reference (Schulman's k1, k2, k3)."""
+    # Clamps keep exp finite and k3 bounded when the policies drift far apart (2.7).
+    d = torch.clamp(logp_ref - logp_new, -20.0, 20.0)
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.clamp(torch.exp(d) - d - 1, 0.0, 10.0)
+    raise RepertoryError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / T) at each position (over the last dimension)."""
+    if temperature <= 0:
+        raise RepertoryError(f"temperature must be > 0, got {temperature}")
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Aggregation (2.7)
+# ----------------------------------------------------------------------------------------------------------
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def aggregation_weights(sample_lengths: list[int], mode: str, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Per-token weights, concatenated in sample order, with sum(weights * l) = the aggregation of l over the
+    whole mini-batch. Slice them per micro-batch: N_tok and the sample count stay those of the mini-batch,
+    so accumulated micro-batch gradients equal the unsplit one. Samples with no tokens are ignored."""
+    if mode not in AGGREGATIONS:
+        raise RepertoryError(f"unknown aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
+    if any(n < 0 for n in sample_lengths):
+        raise RepertoryError(f"negative sample length in {sample_lengths}")
+    n_tokens = sum(sample_lengths)
+    n_samples = sum(1 for n in sample_lengths if n > 0)
+    if mode == "token-mean":
+        per_sample = [1 / n_tokens if n else 0.0 for n in sample_lengths]
+    elif mode == "seq-mean-token-mean":
+        per_sample = [1 / (n_samples * n) if n else 0.0 for n in sample_lengths]
+    else:
+        per_sample = [1 / n_samples if n else 0.0 for n in sample_lengths]
+    weights = torch.tensor(per_sample, dtype=torch.float64)
+    return torch.repeat_interleave(weights, torch.tensor(sample_lengths, dtype=torch.long)).to(dtype)
+
+
+def aggregate(per_token: Tensor, sample_lengths: list[int], mode: str) -> Tensor:
+    """Aggregate a 1-D per-token loss over a mini-batch whose samples have ``sample_lengths`` tokens."""
+    weights = aggregation_weights(sample_lengths, mode, dtype=per_token.dtype).to(per_token.device)
+    if per_token.shape != weights.shape:
+        raise RepertoryError(f"per-token loss of shape {tuple(per_token.shape)} for {sum(sample_lengths)} tokens")
+    return (weights * per_token).sum()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The policy-loss registry
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    """A policy loss on one micro-batch: the per-token loss, the per-token clip indicator (its mean is
+    ``clip_frac``) and, where the loss reweights tokens, the weights that also apply to the KL term."""
+
+    loss: Tensor
+    clipped: Tensor
+    kl_weights: Tensor | None = None
+
+
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Any], PolicyTerms]
+"""(log-probs now, log-probs at sampling, advantages, the ``algo`` config) -> :class:`PolicyTerms`."""
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator adding a policy loss to :data:`POLICY_LOSSES` under ``name`` (select it with ``algo.policy_loss``)."""
+
+    def decorate(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise RepertoryError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss called ``name``."""
+    if name not in POLICY_LOSSES:
+        raise RepertoryError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("ppo")
+def _ppo(logp: Tensor, old: Tensor, adv: Tensor, algo: Any) -> PolicyTerms:
+    return PolicyTerms(*policy_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip))
+
+
+@register_policy_loss("tis")
+def _tis(logp: Tensor, old: Tensor, adv: Tensor, algo: Any) -> PolicyTerms:
+    loss, weights = truncated_is_loss(logp, old, adv, algo.is_cap)
+    return PolicyTerms(loss, (weights >= algo.is_cap).to(logp.dtype), weights)
+
+
+@register_policy_loss("reinforce")
+def _reinforce(logp: Tensor, old: Tensor, adv: Tensor, algo: Any) -> PolicyTerms:
+    return PolicyTerms(reinforce_loss(logp, adv), torch.zeros_like(logp))

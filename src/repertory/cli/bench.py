@@ -1,0 +1,152 @@
+"""``repertory bench``: ours against a naive baseline and the hardware limit, measured in one run."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from repertory.cli.common import MODEL_HELP, check_run_options, lm_options, out
+from repertory.envs import env_class
+from repertory.types import RepertoryError
+
+bench_app = typer.Typer(help="Benchmarks: ours against a naive baseline and the hardware limit, in one run.")
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    env: list[str] | None = typer.Option(None, "--env", "-e", help="Environments (default: trust-and-split, ipd)."),
+    episodes: int = typer.Option(4, "--episodes", "-n", help="Self-play episodes per environment."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Token budget per turn."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    seed: int = typer.Option(0, "--seed", "-s", help="Master seed."),
+    naive: bool = typer.Option(True, "--naive/--no-naive", help="Also run the naive per-turn generate() baseline."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Batched multi-role rollout against per-turn generate() calls and the matmul limit."""
+    from repertory.agents.lm import shared_backend
+    from repertory.bench import RolloutBenchConfig, rollout_benchmark
+
+    names = tuple(env or ("trust-and-split", "ipd"))
+    for name in names:
+        env_class(name)
+    check_run_options("train", seed, episodes)
+    lm_options(model, 1.0, 1.0, max_new_tokens, False, seed)
+    config = RolloutBenchConfig(names, episodes, max_new_tokens, seed, naive)
+    result = rollout_benchmark(shared_backend(model), config)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"rollout: {result['episodes']} self-play episodes of {', '.join(names)} ({result['model']})")
+    for column in ("", "generated tok/s", "prompt tok/s", "seconds", "vs naive", "vs limit"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        "ours",
+        f"{result['ours_tok_s']:.1f}",
+        f"{result['ours_prompt_tok_s']:.1f}",
+        f"{result['ours_seconds']:.1f}",
+        f"{result['ours_over_naive']:.2f}x" if naive else "-",
+        f"{result['ours_over_limit']:.1%}",
+    )
+    if naive:
+        table.add_row(
+            "naive",
+            f"{result['naive_tok_s']:.1f}",
+            f"{result['naive_prompt_tok_s']:.1f}",
+            f"{result['naive_seconds']:.1f}",
+            "1.00x",
+            f"{result['naive_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit", f"{result['limit_tok_s']:.1f}", "", "", "", "100%")
+    out.print(table)
+    out.print(
+        "ours: one batched generation per tick with prefix reuse; naive: one generate() call per turn; "
+        "limit: the float32 matmul throughput as tokens/s (2 x parameters FLOPs per token)"
+    )
+    out.print(
+        f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"computed tokens (encoded + generated) {result['ours_computed_tok_s']:.1f}/s = "
+        f"{result['ours_computed_over_limit']:.1%} of the limit; "
+        f"prefix cache hit rate {result['cache_hit_rate']:.1%}; peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
+def _print_step_table(title: str, result: dict, variants: tuple[str, str]) -> None:
+    """A training-step benchmark's two variants and the limit: tokens computed, seconds, tok/s, share of it."""
+    table = Table(title=title)
+    for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
+        table.add_column(column, justify="right")
+    for key in variants:
+        table.add_row(
+            key,
+            str(result[f"{key}_tokens"]),
+            f"{result[f'{key}_seconds']:.2f}",
+            f"{result[f'{key}_tok_s']:.0f}",
+            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
+        )
+    table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
+    out.print(table)
+
+
+@bench_app.command("train")
+def bench_train(
+    episodes: int = typer.Option(2, "--episodes", "-n", help="Self-play episodes (2 seats each) in the batch."),
+    turns: int = typer.Option(8, "--turns", help="Turns per seat."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (the default recipe) or full fine-tuning."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """One optimisation step with packed and unpacked turns, against the float32 limit (6 x params x tokens)."""
+    from repertory.bench import TrainBenchConfig, train_benchmark
+    from repertory.models import load_model
+
+    if episodes < 1 or turns < 1:
+        raise RepertoryError("--episodes and --turns must be at least 1")
+    result = train_benchmark(load_model(model), TrainBenchConfig(episodes=episodes, turns=turns, lora=lora))
+    if as_json:
+        print(json.dumps(result))
+        return
+    title = f"train step: {episodes} episodes x 2 seats x {turns} turns ({result['model']}, "
+    _print_step_table(title + f"{'LoRA' if lora else 'full fine-tuning'})", result, ("packed", "unpacked"))
+    out.print(
+        f"packing makes the step {result['packed_speedup']:.2f}x faster on the same {result['trained_tokens']} "
+        f"trained tokens; matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
+@bench_app.command("candidates")
+def bench_candidates(
+    states: int = typer.Option(2, "--states", "-n", help="Logged states in the step."),
+    candidates: int = typer.Option(4, "--candidates", "-c", help="Sampled candidates per state."),
+    prompt_tokens: int = typer.Option(640, "--prompt-tokens", help="Tokens of each state's prompt (its history)."),
+    response_tokens: int = typer.Option(48, "--response-tokens", help="Tokens of each candidate."),
+    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """Iterative GRPO's policy step with each state's prompt shared by its candidates, against one sequence
+    per candidate and the float32 limit."""
+    from repertory.bench import CandidatesBenchConfig, candidates_benchmark
+    from repertory.models import load_model
+
+    if min(states, candidates, prompt_tokens, response_tokens) < 1:
+        raise RepertoryError("--states, --candidates, --prompt-tokens and --response-tokens must be at least 1")
+    config = CandidatesBenchConfig(states, candidates, prompt_tokens, response_tokens)
+    result = candidates_benchmark(load_model(model), config)
+    if as_json:
+        print(json.dumps(result))
+        return
+    title = (
+        f"I-GRPO policy step: {states} states x {candidates} candidates, {prompt_tokens}-token prompts, "
+        f"{response_tokens}-token candidates ({result['model']}, LoRA)"
+    )
+    _print_step_table(title, result, ("shared", "separate"))
+    out.print(
+        f"sharing each prompt makes the step {result['shared_speedup']:.2f}x faster on the same "
+        f"{result['trained_tokens']} trained tokens (scoring with policy and reference, forward, backward, AdamW); "
+        f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+

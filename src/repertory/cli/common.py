@@ -1,0 +1,49 @@
+"""What the command modules share: the console, option checks and the agents of a line-up."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from repertory.agents import Agent, LMOptions
+from repertory.envs import env_class
+from repertory.types import SPLITS, RepertoryError
+
+out = Console(highlight=False, soft_wrap=True)
+SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
+
+
+def check_run_options(split: str, seed: int, episodes: int) -> None:
+    if split not in SPLITS:
+        raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    if seed < 0:
+        raise RepertoryError(f"--seed must be a non-negative integer (got {seed})")
+    if episodes < 1:
+        raise RepertoryError(f"--episodes must be at least 1 (got {episodes})")
+
+
+def agents_for(env: str, specs: list[str], lm: LMOptions | None = None) -> dict[str, Agent]:
+    """One agent object per distinct spec, so a spec in several seats is served in one batch."""
+    from repertory.agents.resolve import make_agent  # model agents import torch; bot line-ups need none
+
+    cls = env_class(env)
+    built: dict[str, Agent] = {}
+    for spec in specs:
+        if spec not in built:
+            built[spec] = make_agent(spec, cls, lm)
+    return built
+
+
+def lm_options(
+    model: str, temperature: float, top_p: float, max_new_tokens: int, constrained: bool, seed: int
+) -> LMOptions:
+    if temperature < 0:
+        raise RepertoryError(f"--temperature must be >= 0 (got {temperature})")
+    if not 0 < top_p <= 1:
+        raise RepertoryError(f"--top-p must be in (0, 1] (got {top_p})")
+    if max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    return LMOptions(model, temperature, top_p, max_new_tokens, constrained, seed)
+
+
+MODEL_HELP = "Model for `model` agents: the embedded SmolLM2-135M-Instruct, or a Hugging Face checkpoint directory."
+

@@ -1,0 +1,271 @@
+"""``repertory eval``: held-out evaluation of a run, cross-play matrices, and exploitability."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.table import Table
+
+from repertory.cli.common import check_run_options, out
+from repertory.envs import env_class
+from repertory.types import RepertoryError
+
+if TYPE_CHECKING:
+    from repertory.eval.crossplay import CrossPlayReport, Matrix
+
+def _matrix_table(title: str, agents: list[str], corner: str, cell: Callable[[str, str], str]) -> Table:
+    table = Table(title=title)
+    table.add_column(corner)
+    for agent in agents:
+        table.add_column(agent, justify="center")
+    for row in agents:
+        table.add_row(row, *(cell(row, col) for col in agents))
+    return table
+
+
+def _print_crossplay_report(report: CrossPlayReport) -> None:
+    from repertory.eval.crossplay import IPD_STRATEGIES, WELFARE
+
+    agents, n = report.agents, report.episodes
+    first, second = env_class(report.env).roles
+
+    def with_se(matrix: Matrix) -> Callable[[str, str], str]:
+        return lambda a, b: f"{matrix[a][b][0]:.3f} ± {matrix[a][b][1]:.3f}"
+
+    out.print(
+        _matrix_table(
+            f"{report.env}: M, mean normalised outcome of row vs column ({2 * n} games, {n} in each seat; "
+            f"diagonal: self-play, {n} games)",
+            agents,
+            "row \\ column",
+            with_se(report.outcome),
+        )
+    )
+    if report.welfare is not None:
+        out.print(
+            _matrix_table(
+                f"{report.env}: W, mean normalised collective payoff ({WELFARE})", agents, "", with_se(report.welfare)
+            )
+        )
+    out.print(
+        _matrix_table(
+            f"{report.env}: mean points, {first} (row) / {second} (column), {n} games per cell",
+            agents,
+            f"{first} \\ {second}",
+            lambda a, b: f"{report.points[a][b][first]:.4g} / {report.points[a][b][second]:.4g}",
+        )
+    )
+    ratings = report.ratings
+    table = Table(title=f"{report.env}: Bradley-Terry ratings (win 1, draw 0.5 on points; one virtual draw per pair)")
+    for column in ("agent", "rating", "score / games", *(() if ratings.connected else ("component",))):
+        table.add_column(column, justify="left" if column == "agent" else "right")
+    for agent in sorted(agents, key=lambda a: (ratings.component[a], -ratings.rating[a])):
+        anchor = " (anchor)" if agent in ratings.anchors else ""
+        row = [f"{agent}{anchor}", f"{ratings.rating[agent]:.1f}", f"{ratings.score[agent]:g} / {ratings.games[agent]}"]
+        table.add_row(*row, *(() if ratings.connected else (str(ratings.component[agent]),)))
+    out.print(table)
+    for note in ratings.notes():
+        out.print(f"note: {note}")
+    metrics = list(dict.fromkeys(key for values in report.cooperation.values() for key in values))
+    table = Table(title=f"{report.env}: cooperation per agent (mean over its games, either seat)")
+    table.add_column("agent")
+    for key in metrics:
+        table.add_column(key, justify="right")
+    for agent, values in report.cooperation.items():
+        table.add_row(agent, *(f"{values[k]:.3f}" if k in values else "-" for k in metrics))
+    out.print(table)
+    if report.strategies:
+        table = Table(title=f"{report.env}: agreement of each agent's moves with classic strategies")
+        table.add_column("agent")
+        for name in IPD_STRATEGIES:
+            table.add_column(name, justify="right")
+        table.add_column("closest")
+        for agent, fit in report.strategies.items():
+            table.add_row(agent, *(f"{fit.agreement[name]:.3f}" for name in IPD_STRATEGIES), fit.closest)
+        out.print(table)
+
+
+def _eval_crossplay(
+    env: str | None,
+    specs: str | None,
+    episodes: int,
+    seed: int,
+    split: str,
+    model: str,
+    max_new_tokens: int | None,
+    constrained: bool | None,
+    as_json: bool,
+    out_dir: Path | None,
+) -> None:
+    from repertory.eval.crossplay import crossplay, crossplay_report, lineup, lineup_agent
+
+    cls, names = lineup(specs, env)
+    check_run_options(split, seed, episodes)
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise RepertoryError(f"--out {out_dir} is not a directory")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    agents = {
+        name: lineup_agent(name, cls, seed + 1 + i, model, max_new_tokens, constrained)
+        for i, name in enumerate(names)
+    }
+    report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split))
+    data = report.to_json()
+    if as_json:
+        print(json.dumps(data))
+    else:
+        _print_crossplay_report(report)
+    if out_dir is not None:
+        from repertory.report import write_matrix_figure
+
+        panels = {"M: mean normalised outcome of row vs column": data["M"]}
+        if data["W"] is not None:
+            panels["W: mean normalised collective payoff"] = data["W"]
+        title = f"{cls.name} cross-play ({split}): {2 * episodes} games per pair, {episodes} in each seat order"
+        path = write_matrix_figure(out_dir / f"crossplay-{cls.name}.png", title, names, panels)
+        print(f"heat map: {path}", file=sys.stderr if as_json else sys.stdout)
+
+
+def _eval_exploit(
+    env: str | None,
+    victim: str | None,
+    iterations: int,
+    seeds: int,
+    episodes: int,
+    out_dir: Path | None,
+    overrides: list[str],
+    as_json: bool,
+) -> None:
+    from datetime import datetime
+
+    from repertory.config import load_config
+    from repertory.experiments import exploitability, victim_spec
+
+    if env is None or victim is None:
+        raise RepertoryError("exploit needs --env and --victim, e.g. --env ipd --victim runs/my-run")
+    if iterations < 1 or seeds < 1:
+        raise RepertoryError("--iterations and --seeds must be at least 1")
+    check_run_options("heldout", 0, episodes)
+    load_config(None, [*overrides, f"rollout.env={env}", f"rollout.opponent={victim_spec(victim)}"])
+    root = out_dir or Path("runs") / f"exploit-{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    if root.exists() and not root.is_dir():
+        raise RepertoryError(f"--out {root} is not a directory")
+    if not as_json:
+        out.print(f"training {seeds} naive exploiter(s) of {victim} on {env} for {iterations} iterations -> {root}")
+    result = exploitability(env, victim, iterations, list(range(seeds)), episodes, root, overrides)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"exploitability of {victim} on {env}: {iterations} iterations, {episodes} held-out games")
+    for column in ("seed", "J_E before", "J_E after", "J_V before", "J_V after", "gain", "loss"):
+        table.add_column(column, justify="right")
+    for r in result.runs:
+        values = (r.exploiter_before, r.exploiter_after, r.victim_before, r.victim_after, r.gain, r.loss)
+        table.add_row(str(r.seed), *(f"{v:.3f}" for v in values))
+    out.print(table)
+    gain, loss, selfplay = result.gain, result.loss, result.victim_selfplay
+    out.print(f"exploiter gain {gain[0]:.3f} ± {gain[1]:.3f}; victim loss {loss[0]:.3f} ± {loss[1]:.3f}")
+    out.print(f"victim in self-play J_V(V vs V) {selfplay[0]:.3f} ± {selfplay[1]:.3f}")
+    verdict = "exploitable" if result.exploitable else "not exploitable"
+    out.print(f"{verdict} at this budget (gain {'>' if result.exploitable else '<='} 1.96 SE; a lower bound)")
+
+
+def eval_command(
+    target: str = typer.Argument(
+        ...,
+        help="A run directory, a checkpoint directory, 'base' (the untrained model), "
+        "'crossplay' (every ordered pair of --agents), or 'exploit' (train exploiters of --victim).",
+    ),
+    env: str | None = typer.Option(None, "--env", "-e", help="Environment (default: the run's)."),
+    split: str = typer.Option("heldout", "--split", help="Kernel split: heldout or train."),
+    vs: str | None = typer.Option(
+        None,
+        "--vs",
+        help="Opponent: self (self-play), base, a bot, or model:PATH (a checkpoint, a run or a HF model). "
+        "Default: the game's partner (its scripted negotiator in negotiations), else self-play.",
+    ),
+    episodes: int = typer.Option(
+        32, "--episodes", "-n", help="Episodes to play (crossplay: per ordered pair, the row agent in the first seat)."
+    ),
+    seed: int = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling."),
+    model: str = typer.Option(
+        "smollm2", "--model", "-m", help="Base model when TARGET is 'base' (crossplay: of base and model agents)."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Token budget per turn (default: as the run was trained; 400 for 'base')."
+    ),
+    constrained: bool | None = typer.Option(
+        None, "--constrained/--free", help="Constrained actions (default: as the run was trained)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+    agents: str | None = typer.Option(
+        None,
+        "--agents",
+        "-a",
+        help="crossplay: the comma-separated line-up: bots, base, model, model:PATH, run or checkpoint directories.",
+    ),
+    out_dir: Path | None = typer.Option(
+        None,
+        "--out",
+        help="crossplay: also draw heat maps of M and W into DIR/crossplay-ENV.png; exploit: where the exploiter "
+        "runs go (default runs/exploit-ENV-<time>).",
+    ),
+    victim: str | None = typer.Option(
+        None, "--victim", help="exploit: the frozen policy to exploit: a run or checkpoint directory, base, or a bot."
+    ),
+    iterations: int = typer.Option(500, "--iterations", help="exploit: training iterations of each exploiter."),
+    seeds: int = typer.Option(3, "--seeds", help="exploit: exploiter seeds (0, 1, ...)."),
+    overrides: list[str] | None = typer.Option(
+        None, "--set", help="exploit: change the exploiter's recipe (naive-ENV), e.g. --set rollout.constrained=true."
+    ),
+) -> None:
+    """Held-out evaluation: normalised outcome per role (mean +- standard error) and the environment's metrics.
+
+    `eval crossplay --env ENV --agents A,B,...`: every pair; outcome and welfare matrices, ratings, cooperation.
+    `eval exploit --env ENV --victim V`: train naive exploiters of a frozen policy; exploiter gain, victim loss."""
+    if target == "exploit":
+        _eval_exploit(env, victim, iterations, seeds, episodes, out_dir, overrides or [], as_json)
+        return
+    if victim is not None or overrides:
+        raise RepertoryError("--victim and --set are only for `repertory eval exploit --env ENV --victim V`")
+    if target == "crossplay":
+        if vs is not None:
+            raise RepertoryError("--vs is for one agent; crossplay plays every pair of --agents")
+        _eval_crossplay(env, agents, episodes, seed, split, model, max_new_tokens, constrained, as_json, out_dir)
+        return
+    if agents is not None or out_dir is not None:
+        option = "--agents" if agents is not None else "--out"
+        raise RepertoryError(f"{option} is only for `repertory eval crossplay --env ENV --agents A,B,...`")
+    from repertory.eval import evaluate, evaluation_lineup
+
+    check_run_options(split, seed, episodes)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    agent, opponent, env_name = evaluation_lineup(target, env, vs, seed, model, max_new_tokens, constrained)
+    result = evaluate(env_name, agent, episodes, seed, split, opponent)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"{agent.name} on {env_name} ({split}, vs {result.opponent}, {result.episodes} episodes)")
+    for column in ("role", "outcome", "points", "games"):
+        table.add_column(column, justify="right" if column != "role" else "left")
+    for role, (mean, se) in result.outcome.items():
+        points, points_se = result.points[role]
+        games = sum(1 for ep in result.played for s in ep.seats if s.name == role and s.agent == agent.name)
+        table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(games))
+    table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
+    out.print(table)
+    out.print(
+        f"expected discounted return (gamma {result.gamma} per own turn): "
+        f"{result.discounted[0]:.3f} ± {result.discounted[1]:.3f}"
+    )
+    out.print(f"invalid actions: {result.invalid_rate:.1%}")
+    for key, value in result.metrics.items():
+        out.print(f"{key}: {value:.3f}")
+
+

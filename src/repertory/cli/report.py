@@ -1,0 +1,61 @@
+"""``repertory report`` and ``export``: a run's figures, the results table, a plain Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from repertory.cli.common import out
+from repertory.types import RepertoryError
+
+
+def report(
+    runs: list[Path] = typer.Argument(..., help="Run directories."),
+    table: bool = typer.Option(
+        False, "--table", help="One table of methods x environments over the runs, instead of each run's figures."
+    ),
+    checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
+    out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
+) -> None:
+    """Redraw a run's learning curves into RUN/report, or (--table) the held-out expected discounted return of
+    methods x environments, mean ± standard error over seeds (algorithms.md 5.7)."""
+    from repertory.report import results_table, write_report
+
+    if not table:
+        for run in runs:
+            if not (run / "config.yaml").is_file():
+                raise RepertoryError(f"{run} is not a run directory (no config.yaml)")
+            for path in write_report(run):
+                out.print(str(path))
+        return
+    result = results_table(runs, checkpoint)
+    seeds = {n for _, _, n in result.cells.values()}
+    grid = Table(title=f"held-out expected discounted return, {checkpoint} checkpoint, mean ± SE over seeds")
+    grid.add_column("method")
+    for env in result.envs:
+        grid.add_column(env, justify="right")
+    for method in result.methods:
+        grid.add_row(method, *(result.text(method, env) for env in result.envs))
+    out.print(grid)
+    out.print(f"seeds per cell: {', '.join(map(str, sorted(seeds)))}")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "table.md").write_text(result.markdown())
+        (out_dir / "table.csv").write_text(result.csv())
+        out.print(f"wrote {out_dir / 'table.md'} and {out_dir / 'table.csv'}")
+
+
+def export(
+    run: Path = typer.Argument(..., help="A run directory (its newest complete checkpoint) or a checkpoint."),
+    out_dir: Path = typer.Option(..., "--out", help="A new directory for the Hugging Face checkpoint."),
+    device: str = typer.Option("cpu", "--device", help="Where to merge the adapter: cpu (float32) or cuda (bf16)."),
+) -> None:
+    """Write a trained policy as a plain Hugging Face checkpoint (LoRA merged into the base): start another run
+    from it (--set model.name=DIR), play it (--model DIR), or serve it with any Hugging Face tool."""
+    from repertory.models.checkpoints import export_policy
+
+    out.print(str(export_policy(run, out_dir, device)))
+
+

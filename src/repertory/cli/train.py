@@ -1,0 +1,129 @@
+"""``repertory train``: a recipe, a resumed run or a suite, with a progress display."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from repertory.cli.common import out
+from repertory.types import RepertoryError
+
+
+def _train_progress(trainer, quiet: bool):
+    """A rich progress bar over iterations showing outcome, KL and time left; returns (callback, context)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=out,
+        disable=quiet,
+    )
+    task = progress.add_task("train", total=trainer.config.iterations, completed=trainer.iteration, status="rollout...")
+
+    def on_line(line: dict) -> None:
+        parts = [f"iteration {line['iteration']}"]
+        if "outcome" in line:  # a round that learns from a user's logs plays no game
+            parts.append(f"outcome {line['outcome']:.3f}")
+        if "eval/outcome" in line:
+            parts.append(f"held-out {line['eval/outcome']:.3f}")
+        if "q/val_spearman" in line:
+            parts.append(f"Q rank corr. {line['q/val_spearman']:.2f}")
+        parts.append(f"KL {line.get('kl', 0.0):.4f}")
+        progress.update(task, advance=1, status=" | ".join(parts))
+        if not quiet:
+            progress.console.print("  " + " | ".join(parts), style="dim")
+
+    return on_line, progress
+
+
+def train(
+    recipe: str | None = typer.Argument(
+        None, help="Recipe: a YAML file or a shipped recipe name (default: the default recipe)."
+    ),
+    overrides: list[str] | None = typer.Option(None, "--set", help="Override a config key: --set algo.lr=1e-4."),
+    resume: Path | None = typer.Option(None, "--resume", help="Continue this run from its newest complete checkpoint."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+) -> None:
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU).
+    A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
+    from repertory.config import load_config
+    from repertory.experiments import load_suite
+    from repertory.train import resume_run, start_run
+
+    suite = load_suite(recipe) if recipe is not None and resume is None else None
+    if suite is not None:
+        _train_suite(suite.model_copy(update={"set": [*suite.set, *(overrides or [])]}), quiet)
+        return
+    if resume is not None:
+        if recipe is not None:
+            raise RepertoryError("--resume continues a run with its own config; give no recipe (--set changes keys)")
+        trainer = resume_run(resume, overrides)
+        out.print(f"resuming {resume} after iteration {trainer.iteration} of {trainer.config.iterations}")
+    else:
+        config = load_config(recipe or "default", overrides)
+        trainer = start_run(config)
+        c = trainer.config
+        episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
+        model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
+        if c.trainer == "rounds":
+            out.print(
+                f"training {c.rounds.method} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
+                f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"
+            )
+        else:
+            out.print(
+                f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
+                f"{c.iterations} iterations of {episodes} episodes -> {trainer.run_dir}"
+            )
+    on_line, progress = _train_progress(trainer, quiet)
+    with progress:
+        run_dir = trainer.fit(on_line)
+    out.print(f"run: {run_dir}")
+    out.print(f"report: {run_dir / 'report'} (learning curves); metrics: {run_dir / 'metrics.jsonl'}")
+    out.print(f"evaluate it: repertory eval {run_dir}")
+
+
+def _train_suite(suite, quiet: bool) -> None:
+    from repertory.experiments import run_suite, suite_runs
+
+    names = [name for name, _ in suite_runs(suite)]
+    out.print(f"suite: {len(names)} runs ({', '.join(names)}) -> {suite.output_dir}")
+    if suite.warm_start is not None:
+        out.print(
+            f"warm start per environment: {suite.warm_start.episodes} bot-vs-bot demonstrations, "
+            f"{suite.warm_start.epochs} mt-sft epochs, then every run of the environment starts from it"
+        )
+    current = {"name": ""}
+
+    def on_run(name, trainer) -> None:
+        current["name"] = name
+        out.print(f"run {name}: {trainer.iteration} of {trainer.config.iterations} rounds done")
+
+    def on_line(line) -> None:
+        if quiet:
+            return
+        parts = [f"{current['name']} round {line['iteration']}"]
+        for key, label in (("eval/discounted_return", "held-out J"), ("q/val_spearman", "Q rank corr.")):
+            if key in line:
+                parts.append(f"{label} {line[key]:.3f}")
+        out.print("  " + " | ".join(parts), style="dim")
+
+    table = run_suite(suite, on_run=on_run, on_line=on_line)
+    out.print(table.markdown())
+    out.print(f"wrote {suite.output_dir}/table.md and table.csv")
+
+

@@ -1,0 +1,278 @@
+"""Evaluation: held-out scores of one agent, alone in every seat or against an opponent.
+
+``evaluate`` plays one agent on held-out kernels, either in every seat (self-play) or against an
+opponent with the seats balanced, and reports its normalised outcome per role and its expected
+discounted return with standard errors; :func:`evaluation_lineup` builds the agent and opponent of
+``repertory eval``. Cross-play tournaments are :mod:`repertory.eval.crossplay`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from repertory.agents import Agent, LMOptions
+from repertory.agents.lm import LMAgent, shared_backend
+from repertory.agents.resolve import make_agent, trained_policy
+from repertory.config import TrainConfig
+from repertory.envs import Env, env_class
+from repertory.generation import SamplingParams
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
+from repertory.runs import resolve_checkpoint
+from repertory.stats import mean_se
+from repertory.types import Episode, RepertoryError, RoleResult
+
+DISCOUNT = 0.95
+"""gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (docs/environments.md 1.4)."""
+
+
+def discounted(role: RoleResult, gamma: float = DISCOUNT) -> float:
+    """One game's discounted return: gamma^(n-1) * outcome, n being the role's own turns."""
+    return gamma ** max(role.n_turns - 1, 0) * role.outcome
+
+
+@dataclass
+class PairResult:
+    """Aggregates of one line-up: per seat mean points and outcome with standard errors, metrics."""
+
+    agents: list[str]
+    episodes: int
+    points: dict[str, tuple[float, float]]
+    outcome: dict[str, tuple[float, float]]
+    discounted: dict[str, tuple[float, float]]
+    invalid_rate: dict[str, float]
+    metrics: dict[str, float]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "agents": self.agents,
+            "episodes": self.episodes,
+            "points": {r: m for r, (m, _) in self.points.items()},
+            "points_se": {r: s for r, (_, s) in self.points.items()},
+            "outcome": {r: m for r, (m, _) in self.outcome.items()},
+            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
+            "discounted_return": {r: m for r, (m, _) in self.discounted.items()},
+            "discounted_return_se": {r: s for r, (_, s) in self.discounted.items()},
+            "invalid_rate": self.invalid_rate,
+            "metrics": self.metrics,
+        }
+
+
+def summarize(episodes: list[Episode]) -> PairResult:
+    """Aggregate episodes that share one line-up."""
+    first = episodes[0]
+    names = [s.name for s in first.seats]
+    invalid = {}
+    for n in names:
+        turns = sum(ep.result.roles[n].n_turns for ep in episodes)
+        invalid[n] = sum(ep.result.roles[n].n_invalid for ep in episodes) / turns if turns else 0.0
+    return PairResult(
+        agents=[s.agent for s in first.seats],
+        episodes=len(episodes),
+        points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
+        outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
+        discounted={n: mean_se([discounted(ep.result.roles[n]) for ep in episodes]) for n in names},
+        invalid_rate=invalid,
+        metrics=mean_metrics(episodes),
+    )
+
+
+@dataclass
+class Evaluation:
+    """One agent's held-out scores: outcome and points per role it played, the expected discounted
+    return (mean of gamma^(n-1) * outcome, n the agent's turns), invalid rate, env metrics."""
+
+    env: str
+    agent: str
+    opponent: str
+    episodes: int
+    outcome: dict[str, tuple[float, float]]
+    points: dict[str, tuple[float, float]]
+    overall: tuple[float, float]
+    discounted: tuple[float, float]
+    invalid_rate: float
+    metrics: dict[str, float]
+    gamma: float = DISCOUNT
+    played: list[Episode] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "env": self.env,
+            "agent": self.agent,
+            "opponent": self.opponent,
+            "episodes": self.episodes,
+            "outcome": {r: m for r, (m, _) in self.outcome.items()},
+            "outcome_se": {r: s for r, (_, s) in self.outcome.items()},
+            "points": {r: m for r, (m, _) in self.points.items()},
+            "points_se": {r: s for r, (_, s) in self.points.items()},
+            "mean_outcome": self.overall[0],
+            "mean_outcome_se": self.overall[1],
+            "discounted_return": self.discounted[0],
+            "discounted_return_se": self.discounted[1],
+            "gamma": self.gamma,
+            "invalid_rate": self.invalid_rate,
+            "metrics": self.metrics,
+        }
+
+
+def evaluate(
+    env: str,
+    agent: Agent,
+    episodes: int,
+    seed: int,
+    split: str = "heldout",
+    opponent: Agent | None = None,
+    iteration: int = 0,
+    gamma: float = DISCOUNT,
+    max_concurrent: int = 64,
+) -> Evaluation:
+    """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
+    opponent, the agent sits in the game's trained seat where the game fixes one (negotiations),
+    else takes each seat in turn (episode i: seat i mod seats); an opponent that is a model is
+    watched by the partner guard. Scores count the agent's seats only. At most ``max_concurrent``
+    games run at once, so that every running seat's chat stays in the generation prefix cache."""
+    if episodes < 1:
+        raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
+    cls = env_class(env)
+    n_seats = len(cls.roles)
+    specs: list[EpisodeSpec] = []
+    for i, spec in enumerate(schedule(env, [agent] * n_seats, episodes, seed, split, iteration=iteration)):
+        spec.episode_id = f"{spec.episode_id}/eval-{agent.name}"
+        if opponent is not None:
+            live = agent_seat(cls, i)
+            spec.agents = [agent if s == live else opponent for s in range(n_seats)]
+            spec.guarded = guarded_seats(cls, spec.agents, live)
+        specs.append(spec)
+    played = run_episodes(specs, max_concurrent=max_concurrent)
+    scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
+    return Evaluation(
+        env=env,
+        agent=agent.name,
+        opponent=opponent.name if opponent is not None else "self",
+        episodes=len(played),
+        outcome={r: mean_se(v) for r, v in scores.outcomes.items()},
+        points={r: mean_se(v) for r, v in scores.points.items()},
+        overall=mean_se([x for v in scores.outcomes.values() for x in v]),
+        discounted=mean_se(scores.discounted),
+        gamma=gamma,
+        invalid_rate=scores.invalid_rate,
+        metrics=mean_metrics(played),
+        played=played,
+    )
+
+
+@dataclass
+class SeatScores:
+    """Outcomes and points per role (display name) over the selected seats, and their invalid actions."""
+
+    outcomes: dict[str, list[float]] = field(default_factory=dict)
+    points: dict[str, list[float]] = field(default_factory=dict)
+    discounted: list[float] = field(default_factory=list)
+    invalid: int = 0
+    turns: int = 0
+
+    @property
+    def invalid_rate(self) -> float:
+        return self.invalid / self.turns if self.turns else 0.0
+
+
+def partner_outcome(result: Evaluation) -> tuple[float, float]:
+    """Mean outcome (and standard error) of the opponent's seats in an evaluation against an opponent."""
+    if result.opponent == "self":
+        raise RepertoryError("a self-play evaluation has no partner")
+    cls = env_class(result.env)
+    scores = seat_scores(result.played, lambda i, s: s != agent_seat(cls, i))
+    return mean_se([x for v in scores.outcomes.values() for x in v])
+
+
+def agent_seat(env: type[Env], episode_index: int) -> int:
+    """The seat a single agent facing an opponent takes in an episode (see ``evaluate``)."""
+    if env.fixed_seat:
+        return env.roles.index(env.default_trained_role)
+    return episode_index % len(env.roles)
+
+
+def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = DISCOUNT) -> SeatScores:
+    """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
+    scores = SeatScores()
+    for i, ep in enumerate(episodes):
+        for s, seat in enumerate(ep.seats):
+            if not selected(i, s):
+                continue
+            role = ep.result.roles[seat.name]
+            scores.outcomes.setdefault(seat.name, []).append(role.outcome)
+            scores.points.setdefault(seat.name, []).append(role.points)
+            scores.discounted.append(discounted(role, gamma))
+            scores.invalid += role.n_invalid
+            scores.turns += role.n_turns
+    return scores
+
+
+def mean_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Each environment metric averaged over the episodes that report it."""
+    names = sorted({k for ep in episodes for k in ep.metrics})
+    return {
+        k: sum(ep.metrics[k] for ep in episodes if k in ep.metrics) / sum(k in ep.metrics for ep in episodes)
+        for k in names
+    }
+
+
+def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """A training batch's metrics: episodes, mean outcome and points of the trained seats per role, invalid
+    rate and the environment's metrics."""
+    scores = seat_scores(episodes, lambda i, s: episodes[i].seats[s].trainable)
+    line: dict[str, float] = {"episodes": len(episodes)}
+    all_outcomes = [x for v in scores.outcomes.values() for x in v]
+    line["outcome"] = sum(all_outcomes) / len(all_outcomes) if all_outcomes else 0.0
+    for name in sorted(scores.outcomes):
+        line[f"outcome/{name}"] = sum(scores.outcomes[name]) / len(scores.outcomes[name])
+        line[f"points/{name}"] = sum(scores.points[name]) / len(scores.points[name])
+    line["invalid_rate"] = scores.invalid_rate
+    line.update({f"env/{k}": v for k, v in mean_metrics(episodes).items()})
+    return line
+
+
+
+def evaluation_lineup(
+    target: str,
+    env: str | None,
+    vs: str | None,
+    seed: int,
+    model: str = "smollm2",
+    max_new_tokens: int | None = None,
+    constrained: bool | None = None,
+) -> tuple[LMAgent, Agent | None, str]:
+    """The agent under test, its opponent (None: self-play) and the environment of ``repertory eval TARGET``.
+
+    ``target`` is a run or checkpoint directory (its trained policy, sampled as it was trained) or ``base``
+    (``model`` untrained, which needs ``env``). ``vs`` defaults to the game's partner; ``self`` is self-play,
+    ``base`` the untrained model of the run; ``max_new_tokens`` and ``constrained`` override the run's."""
+    if target == "base":
+        if env is None:
+            raise RepertoryError("--env is required when evaluating 'base'")
+        config = TrainConfig()
+        config.model.name = model
+    else:
+        config = resolve_checkpoint(target)[1]
+    env_name = env or config.rollout.env
+    cls = env_class(env_name)
+    vs = vs or cls.default_partner
+    rollout = config.rollout
+    options = LMOptions(
+        config.model.name,
+        rollout.temperature,
+        1.0,
+        max_new_tokens or rollout.max_new_tokens,
+        rollout.constrained if constrained is None else constrained,
+        seed,
+    )
+    if target == "base":
+        backend = shared_backend(model, options.device)
+        params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
+        agent = LMAgent(backend, backend.name, params, options.constrained, seed, policy_id="live")
+        if vs == "model":  # the same untrained model in the other seat
+            vs = "base"
+    else:
+        agent = trained_policy(target, options, policy_id="live")
+    opponent = None if vs == "self" else make_agent(vs, cls, replace(options, seed=seed + 1))
+    return agent, opponent, env_name

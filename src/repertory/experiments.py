@@ -1,0 +1,262 @@
+"""Experiments made of several runs: a grid of batch-online runs with its table (docs/algorithms.md 5.7), the
+suite's warm start, and the approximate exploitability of a frozen policy (8.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from repertory.agents.resolve import make_agent
+from repertory.config import SuiteConfig, SuiteFile, describe_error, load_config, recipe_names, recipe_text
+from repertory.envs import env_class
+from repertory.eval import evaluate, partner_outcome
+from repertory.models import LoadedModel
+from repertory.models.checkpoints import export_policy
+from repertory.report import ResultsTable, results_table
+from repertory.rollout import run_episodes, schedule
+from repertory.runs import is_run_or_checkpoint
+from repertory.stats import mean_se
+from repertory.store import write_episodes
+from repertory.train import Trainer, check_names, resume_run, start_run
+from repertory.types import RepertoryError, derive
+
+
+def load_suite(recipe: str) -> SuiteConfig | None:
+    """The suite a recipe describes, or None when it is an ordinary recipe. Every run's config is validated
+    here, before any work starts."""
+    text, source = recipe_text(recipe)
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RepertoryError(f"{source} is not valid YAML: {err}") from None
+    if not isinstance(loaded, dict) or "suite" not in loaded:
+        return None
+    try:
+        suite = SuiteFile.model_validate(loaded).suite
+    except ValidationError as err:
+        raise RepertoryError(describe_error(err, source, SuiteFile)) from None
+    for env in suite.envs:
+        for method in suite.methods:
+            check_names(load_config(suite.recipe, [*suite.set, f"rounds.method={method}", f"rollout.env={env}"]))
+        if suite.warm_start is not None:
+            partner = load_config(suite.recipe, suite.warm_overrides(env)).rollout.opponent
+            if partner not in env_class(env).bots:
+                raise RepertoryError(
+                    f"{source}: suite.warm_start imitates the partner bot, but the partner on {env} is {partner!r}; "
+                    f"set rollout.opponent to one of: {', '.join(env_class(env).bots)}"
+                )
+    return suite
+
+
+
+def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
+    """(run name, overrides) of every cell of the grid, environment-major."""
+    out = []
+    for env in suite.envs:
+        for method in suite.methods:
+            for seed in suite.seeds:
+                name = f"{method}-{env}-s{seed}"
+                overrides = [*suite.set, f"rounds.method={method}", f"rollout.env={env}", f"seed={seed}"]
+                if suite.warm_start is not None:
+                    overrides.append(f"model.name={suite.warm_model(env)}")
+                out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
+    return out
+
+
+def warm_start(
+    suite: SuiteConfig,
+    env: str,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_run: Callable[[str, Trainer], None] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """The suite's warm start of ``env`` (see WarmStartConfig): bot-vs-bot demonstrations, one mt-sft round on
+    them, the policy exported. Each step is skipped when its output exists, so an interrupted suite resumes."""
+    assert suite.warm_start is not None
+    model_dir = suite.warm_model(env)
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    config = load_config(suite.recipe, suite.warm_overrides(env))
+    demos = suite.warm_demos(env)
+    if not demos.is_file():
+        cls = env_class(env)
+        bots = [make_agent(config.rollout.opponent, cls) for _ in cls.roles]
+        demos.parent.mkdir(parents=True, exist_ok=True)
+        write_episodes(demos, run_episodes(schedule(env, bots, suite.warm_start.episodes, config.seed, "train")))
+    run_dir = Path(suite.output_dir) / f"warm-{env}"
+    model = loaded() if loaded is not None else None
+    trainer = resume_run(run_dir, loaded=model) if (run_dir / "config.yaml").is_file() else start_run(config, model)
+    if on_run is not None:
+        on_run(run_dir.name, trainer)
+    if trainer.iteration < trainer.config.iterations:
+        trainer.fit(on_line)
+    return export_policy(run_dir, model_dir, config.model.device or "cpu")
+
+
+def run_suite(
+    suite: SuiteConfig,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_run: Callable[[str, Trainer], None] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> ResultsTable:
+    """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
+    so rerunning the suite continues it — then write ``table.md`` and ``table.csv`` into the output directory."""
+    runs = []
+    warmed: set[str] = set()
+    for name, overrides in suite_runs(suite):
+        run_dir = Path(suite.output_dir) / name
+        env = load_config(suite.recipe, overrides).rollout.env
+        if suite.warm_start is not None and env not in warmed:
+            warm_start(suite, env, loaded, on_run, on_line)
+            warmed.add(env)
+        # Warm-started runs load their environment's exported policy, not the caller's model.
+        model = loaded() if loaded is not None and suite.warm_start is None else None
+        if (run_dir / "config.yaml").is_file():
+            trainer = resume_run(run_dir, loaded=model)
+        else:
+            trainer = start_run(load_config(suite.recipe, overrides), model)
+        if on_run is not None:
+            on_run(name, trainer)
+        if trainer.iteration < trainer.config.iterations:
+            trainer.fit(on_line)
+        runs.append(run_dir)
+    table = results_table(runs)
+    Path(suite.output_dir, "table.md").write_text(table.markdown())
+    Path(suite.output_dir, "table.csv").write_text(table.csv())
+    return table
+
+
+def exploit_gain_loss(
+    exploiter_before: float, exploiter_after: float, victim_before: float, victim_after: float
+) -> tuple[float, float]:
+    """(exploiter gain, victim loss) of one exploiter: J_E(E_N vs V) - J_E(E_0 vs V), J_V(V vs E_0) - J_V(V vs E_N)."""
+    return exploiter_after - exploiter_before, victim_before - victim_after
+
+
+@dataclass
+class ExploitRun:
+    """One exploiter seed: held-out outcomes of exploiter and victim before and after training."""
+
+    seed: int
+    run_dir: str
+    exploiter_before: float
+    exploiter_after: float
+    victim_before: float
+    victim_after: float
+
+    @property
+    def gain(self) -> float:
+        return exploit_gain_loss(self.exploiter_before, self.exploiter_after, self.victim_before, self.victim_after)[0]
+
+    @property
+    def loss(self) -> float:
+        return exploit_gain_loss(self.exploiter_before, self.exploiter_after, self.victim_before, self.victim_after)[1]
+
+
+@dataclass
+class Exploitability:
+    """Approximate exploitability of a frozen victim at a training budget: gain and loss over exploiter seeds."""
+
+    env: str
+    victim: str
+    iterations: int
+    episodes: int
+    runs: list[ExploitRun]
+    victim_selfplay: tuple[float, float]
+
+    @property
+    def gain(self) -> tuple[float, float]:
+        return mean_se([r.gain for r in self.runs])
+
+    @property
+    def loss(self) -> tuple[float, float]:
+        return mean_se([r.loss for r in self.runs])
+
+    @property
+    def exploitable(self) -> bool:
+        """Whether the gain is significantly positive (mean above 1.96 standard errors)."""
+        mean, se = self.gain
+        return mean > 1.96 * se if len(self.runs) > 1 else mean > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env": self.env,
+            "victim": self.victim,
+            "iterations": self.iterations,
+            "episodes": self.episodes,
+            "runs": [{**asdict(r), "gain": r.gain, "loss": r.loss} for r in self.runs],
+            "gain": self.gain[0],
+            "gain_se": self.gain[1],
+            "loss": self.loss[0],
+            "loss_se": self.loss[1],
+            "victim_selfplay": self.victim_selfplay[0],
+            "victim_selfplay_se": self.victim_selfplay[1],
+            "exploitable": self.exploitable,
+        }
+
+
+def victim_spec(victim: str) -> str:
+    """The rollout.opponent naming a victim: a run or checkpoint directory becomes model:PATH."""
+    return f"model:{victim}" if is_run_or_checkpoint(victim) else victim
+
+
+def exploitability(
+    env: str,
+    victim: str,
+    iterations: int,
+    seeds: list[int],
+    episodes: int,
+    output_dir: Path,
+    overrides: list[str] | None = None,
+    loaded: Callable[[], LoadedModel] | None = None,
+    on_line: Callable[[dict[str, Any]], None] | None = None,
+) -> Exploitability:
+    """Train a fresh naive exploiter (new LoRA on the base model) against the frozen ``victim`` for
+    ``iterations`` per seed and evaluate both on held-out kernels before and after (8.3). The recipe is
+    ``naive-ENV`` where one is shipped; ``overrides`` (key=value) shrink or change it, but the estimator,
+    the opponent, the budget and the seed are the exploit's."""
+    if iterations < 1 or episodes < 1 or not seeds:
+        raise RepertoryError("exploitability needs at least 1 iteration, 1 evaluation episode and 1 seed")
+    recipe = f"naive-{env}" if f"naive-{env}" in recipe_names() else None
+    runs, trainer = [], None
+    for seed in seeds:
+        config = load_config(
+            recipe,
+            [
+                *(overrides or []),
+                f"rollout.env={env}",
+                f"rollout.opponent={victim_spec(victim)}",
+                "algo.estimator=naive",
+                f"iterations={iterations}",
+                f"seed={seed}",
+                "eval.episodes=0",
+                f"output_dir={output_dir}",
+                f"name=exploiter-seed{seed}",
+            ],
+        )
+        trainer = start_run(config, loaded() if loaded is not None else None)
+        if trainer.opponent is None:
+            raise RepertoryError(f"victim {victim!r} is not a frozen policy or bot")
+        eval_seed = derive(0, "exploit", "eval")
+        before = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        trainer.backend.reset_cache()
+        trainer.fit(on_line)
+        after = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        runs.append(
+            ExploitRun(
+                seed,
+                str(trainer.run_dir),
+                before.overall[0],
+                after.overall[0],
+                partner_outcome(before)[0],
+                partner_outcome(after)[0],
+            )
+        )
+    assert trainer is not None and trainer.opponent is not None
+    selfplay = evaluate(env, trainer.opponent, episodes, derive(0, "exploit", "eval"), "heldout")
+    return Exploitability(env, victim, iterations, episodes, runs, selfplay.overall)

@@ -1,0 +1,43 @@
+"""Generation backends: engines that sample a policy behind one :class:`Backend` protocol.
+
+``rollout.backend`` names the engine and :func:`make_backend` builds it. ``hf`` (:mod:`repertory.generation.hf`)
+runs the learner's own transformers module, batched with prefix reuse and constrained actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from repertory.generation.core import Backend, Generation, GenerationStats, SamplingParams, TokenTrie
+from repertory.models import LoadedModel
+from repertory.types import RepertoryError
+
+
+def _hf(loaded: LoadedModel, **options: Any) -> Backend:
+    # Imported when built, so that the protocol and its values stay importable without an engine.
+    from repertory.generation.hf import HFBackend
+
+    return HFBackend(loaded, **options)
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"hf": _hf}
+"""Engine name (``rollout.backend``) -> factory of a backend for a loaded policy."""
+
+
+def make_backend(kind: str, loaded: LoadedModel, **options: Any) -> Backend:
+    """The ``kind`` engine sampling ``loaded`` (``options`` go to the engine, e.g. ``max_batch`` for hf)."""
+    if kind not in BACKENDS:
+        raise RepertoryError(f"unknown generation backend {kind!r}; known: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[kind](loaded, **options)
+
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Generation",
+    "GenerationStats",
+    "SamplingParams",
+    "TokenTrie",
+    "make_backend",
+]

@@ -1,0 +1,103 @@
+"""What every generation engine offers, independent of the engine: the :class:`Backend` protocol and the
+values it takes and returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: temperature (0 = greedy), nucleus top-p, token budget, extra stop strings."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 400
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+
+
+@dataclass
+class Generation:
+    """One sampled continuation: its token ids, their log-probs and why it ended ("stop" or "length")."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: str
+
+
+@dataclass
+class TokenTrie:
+    """The token sequences of a finite set of complete responses, as a prefix tree."""
+
+    children: dict[int, TokenTrie] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, sequences: Sequence[Sequence[int]]) -> TokenTrie:
+        root = cls()
+        for seq in sequences:
+            node = root
+            for token in seq:
+                node = node.children.setdefault(token, cls())
+        return root
+
+
+@dataclass
+class GenerationStats:
+    """Counters over the backend's lifetime (for benchmarks and metrics)."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    shared_prompt_tokens: int = 0  # not encoded: another row of the same call had the same prompt
+    generated_tokens: int = 0
+    forward_passes: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of prompt tokens whose keys and values came from a kept prefix."""
+        return self.reused_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Backend(Protocol):
+    """A generation engine that samples a policy: what agents, trainers and benchmarks rely on.
+
+    ``generate`` samples one continuation per prompt (token ids in, token ids out, never re-rendered), row i
+    driven by ``seeds[i]`` alone (its tokens do not depend on the other rows of the call), restricted to
+    ``constraints[i]`` when given, reusing the kept prefix named ``cache_keys[i]``, ended early once
+    ``enough[i](text)``; each token's log-prob is log softmax(logits / T) over the full vocabulary at the
+    sampling temperature. ``sync`` makes the engine sample from the learner's current weights after an
+    update; ``reset_cache`` forgets kept prefixes; ``close`` releases the engine."""
+
+    name: str  # the policy it samples, as tables print it
+    tokenizer: Any
+    stats: GenerationStats
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        constraints: Sequence[TokenTrie | None] | None = None,
+        cache_keys: Sequence[object] | None = None,
+        enough: Sequence[Callable[[str], bool] | None] | None = None,
+    ) -> list[Generation]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def constraint(self, choices: Sequence[str]) -> TokenTrie: ...
+
+    def sync(self, policy: Any) -> None: ...
+
+    def reset_cache(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,86 @@
+"""Statistics without torch: means with exactly rounded sums, standard errors, quantiles and correlations.
+
+Evaluation tables, ``repertory report --table`` and the estimators share these, so a table printed from
+metrics files needs no model code.
+"""
+
+from __future__ import annotations
+
+import math
+
+from repertory.types import RepertoryError
+
+
+def mean(xs: list[float]) -> float:
+    """The mean, with an exactly rounded sum so that group statistics do not depend on the batch's order."""
+    return math.fsum(xs) / len(xs)
+
+
+def std(xs: list[float]) -> float:
+    """Unbiased standard deviation; 0 for fewer than two numbers (section 0)."""
+    if len(xs) < 2:
+        return 0.0
+    m = mean(xs)
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (unbiased std / sqrt(n)); SE 0 for a single value, both NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    return mean(values), std(values) / math.sqrt(len(values))
+
+
+def seed_summary(scores: list[float]) -> tuple[float, float]:
+    """Mean and standard error of per-seed scores (5.7); SE 0 for a single seed."""
+    if not scores:
+        raise RepertoryError("no seed scores to summarise")
+    return mean_se(scores)
+
+
+def format_mean_se(value: float, se: float, digits: int = 2) -> str:
+    """Mean ± SE the way the I-GRPO tables print it (5.7): "0.55 ± .01", the SE without its leading zero."""
+    se_text = f"{se:.{digits}f}"
+    if se_text.startswith("0."):
+        se_text = se_text[1:]
+    return f"{value:.{digits}f} ± {se_text}"
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """numpy.quantile's default: linear interpolation between order statistics, from the nearer one as numpy
+    does, so cutoffs match numpy to the bit."""
+    xs = sorted(xs)
+    position = (len(xs) - 1) * q
+    if position >= len(xs) - 1:
+        return xs[-1]
+    lo = math.floor(position)
+    a, b, frac = xs[lo], xs[lo + 1], position - lo
+    return b - (b - a) * (1 - frac) if frac >= 0.5 else a + (b - a) * frac
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    """Pearson's correlation; None when either side is constant."""
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _ranks(x: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their average rank."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and x[order[end + 1]] == x[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            ranks[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def rank_correlation(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rho (Pearson on average ranks); None when either side is constant."""
+    return pearson(_ranks(x), _ranks(y))

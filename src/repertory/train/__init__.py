@@ -1,0 +1,88 @@
+"""Training runs: the registry of trainer kinds, and starting or resuming a run.
+
+``trainer: online`` (:class:`~repertory.train.online.OnlineTrainer`) rolls out and updates every iteration;
+``trainer: rounds`` (:class:`~repertory.train.rounds.RoundsTrainer`) runs batch-online deployment rounds with
+a registered round method. Every name a config gives a registry (trainer, round method, estimator, policy
+loss, generation backend) is checked before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from repertory.algos.losses import get_policy_loss
+from repertory.config import TrainConfig, dump_config, load_config
+from repertory.generation import BACKENDS
+from repertory.models import LoadedModel
+from repertory.runs import complete_checkpoints, new_run_dir, truncate_after
+from repertory.train import archer  # noqa: F401  (registers the archer and archer-lc round methods)
+from repertory.train.base import TIMING_PREFIXES, Trainer
+from repertory.train.online import OnlineTrainer
+from repertory.train.rounds import ROUND_METHODS, RoundsTrainer
+from repertory.types import RepertoryError
+
+TRAINERS: dict[str, type[Trainer]] = {"online": OnlineTrainer, "rounds": RoundsTrainer}
+
+
+def check_names(config: TrainConfig) -> None:
+    """Every registry name in ``config`` is registered (one line naming the known ones otherwise)."""
+    if config.trainer not in TRAINERS:
+        raise RepertoryError(f"trainer: unknown trainer {config.trainer!r}; known: {', '.join(sorted(TRAINERS))}")
+    if config.rollout.backend not in BACKENDS:
+        known = ", ".join(sorted(BACKENDS))
+        raise RepertoryError(f"rollout.backend: unknown generation backend {config.rollout.backend!r}; known: {known}")
+    if config.rounds.method not in ROUND_METHODS:
+        known = ", ".join(sorted(ROUND_METHODS))
+        raise RepertoryError(f"rounds.method: unknown round method {config.rounds.method!r}; known: {known}")
+    try:
+        get_policy_loss(config.algo.policy_loss)
+    except RepertoryError as exc:
+        raise RepertoryError(f"algo.policy_loss: {exc}") from None
+
+
+def build(config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None) -> Trainer:
+    """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
+    check_names(config)
+    return TRAINERS[config.trainer](config, run_dir, loaded)
+
+
+def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
+    """Create the run directory, write the resolved config, build the trainer."""
+    run_dir = new_run_dir(config)
+    trainer = build(config, run_dir, loaded)
+    (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    return trainer
+
+
+def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: LoadedModel | None = None) -> Trainer:
+    """Rebuild the trainer of ``run_dir`` from its config and newest complete checkpoint.
+
+    Work after that checkpoint (a metrics line, an episodes file of the iteration in flight) is
+    discarded so that the continued run equals an uninterrupted one.
+    """
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
+    config = load_config(str(config_path), overrides)
+    if overrides:
+        config_path.write_text(dump_config(config))
+    trainer = build(config, run_dir, loaded)
+    checkpoints = complete_checkpoints(run_dir)
+    if checkpoints:
+        trainer.load_checkpoint(checkpoints[-1])
+    truncate_after(run_dir, trainer.iteration)
+    return trainer
+
+
+__all__ = [
+    "TIMING_PREFIXES",
+    "TRAINERS",
+    "OnlineTrainer",
+    "RoundsTrainer",
+    "Trainer",
+    "build",
+    "check_names",
+    "resume_run",
+    "start_run",
+]

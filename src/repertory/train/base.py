@@ -1,0 +1,282 @@
+"""What every trainer shares: the learner, the backend sampling the live policy, the line-up of the
+iteration's episodes, held-out evaluation, atomic checkpoints with exact resume, and the loop.
+
+The run directory (docs/design.md, :mod:`repertory.runs`) holds the resolved config, the episodes of every
+iteration as Parquet, one metrics line per iteration, atomic checkpoints and a report folder with learning
+curves. A run killed at any moment resumes from its newest complete checkpoint and redoes at most the
+iteration in flight; because every random choice is derived from (seed, iteration, ...), the resumed run is
+identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from repertory import algos
+from repertory.agents import Agent, LMOptions
+from repertory.agents.lm import LMAgent
+from repertory.agents.resolve import LivePolicy, make_agent
+from repertory.algos import losses
+from repertory.config import TrainConfig
+from repertory.envs import env_class, load_kernels
+from repertory.eval import DISCOUNT, agent_seat, evaluate
+from repertory.generation import SamplingParams, make_backend
+from repertory.models import LoadedModel, load_model
+from repertory.report import write_report
+from repertory.rollout import EpisodeSpec, guarded_seats
+from repertory.runs import write_checkpoint
+from repertory.train.batch import Batch
+from repertory.train.learner import Learner
+from repertory.train.pool import OpponentPool
+from repertory.types import derive
+
+TIMING_PREFIXES = ("time/", "throughput/", "memory/")
+
+
+class Trainer:
+    """One training run in one run directory: the learner, the backend that samples the live policy, the
+    line-up, held-out evaluation, checkpoints and the loop. A trainer kind implements :meth:`run_iteration`."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.env = env_class(config.rollout.env)
+        self.estimator = algos.get_estimator(config.algo.estimator)
+        loaded = loaded or load_model(config.model.name, config.model.device)
+        self.learner = Learner(
+            loaded,
+            config.algo,
+            config.model.lora,
+            config.critic,
+            needs_critic=self.needs_critic(),
+            temperature=config.rollout.temperature,
+            seed=config.seed,
+        )
+        self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name)
+        self.backend = make_backend(config.rollout.backend, self.loaded)
+        params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
+        sampler_seed = derive(config.seed, "sampler")
+        self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
+        self.pool = (
+            OpponentPool(
+                self.learner.peft,
+                run_dir,
+                config.pool,
+                config.seed,
+                self.live,
+                lambda spec: make_agent(spec, self.env, live=self.live_policy),
+            )
+            if config.rollout.opponent == "pool"
+            else None
+        )
+        reference = self.learner.reference
+        self.live_policy = LivePolicy(
+            self.live,
+            self.learner.peft,
+            LoadedModel(reference, loaded.tokenizer, loaded.name) if reference is not None else None,
+            self.pool.load if self.pool is not None else None,
+        )
+        self.opponent = self._agent(config.rollout.opponent)
+        eval_spec = config.eval.opponent or config.rollout.opponent
+        if eval_spec == "pool":
+            eval_spec = "self"
+        if eval_spec == "self" and config.eval.opponent is None and self.env.fixed_seat:
+            eval_spec = self.env.default_partner  # negotiations are measured against their partner
+        self.eval_opponent = self._agent(eval_spec)
+        self.kernels = load_kernels(config.rollout.env, "train")
+        self.iteration = 0
+        self.estimator_state: dict[str, Any] = {}
+        self.discount = DISCOUNT  # gamma of the held-out expected discounted return
+
+    def needs_critic(self) -> bool:
+        """Whether the learner carries a value model (read from the config alone: called while building)."""
+        return self.estimator.needs_critic
+
+    def estimator_inputs(self, batch: Batch) -> list[algos.TrajectoryInput]:
+        """What the estimator sees of a batch (the per-turn rewards as the environment gave them)."""
+        return batch.estimator_inputs()
+
+    def _agent(self, spec: str) -> Agent | None:
+        """The line-up's other agent: None for the live policy itself (``self``, ``pool``), else the resolved spec."""
+        if spec in ("self", "pool"):
+            return None
+        options = LMOptions(
+            model=self.config.model.name,
+            temperature=self.config.rollout.temperature,
+            max_new_tokens=self.config.rollout.max_new_tokens,
+            constrained=self.config.rollout.constrained,
+            seed=derive(self.config.seed, "opponent"),
+            device=self.config.model.device,
+        )
+        return make_agent(spec, self.env, options, self.live_policy)
+
+    # rollout
+
+    def specs(self, iteration: int) -> list[EpisodeSpec]:
+        """The iteration's episodes: kernels drawn by (seed, iteration); each kernel's crn group of
+        ``episodes_per_kernel`` episodes shares its environment seed."""
+        rollout = self.config.rollout
+        rng = random.Random(derive(self.config.seed, iteration, "kernels", rollout.env))
+        n, n_kernels = rollout.kernels_per_iteration, len(self.kernels)
+        picks = [rng.sample(range(n_kernels), min(n - start, n_kernels)) for start in range(0, n, n_kernels)]
+        kernels = [self.kernels[k] for chunk in picks for k in chunk]
+        n_seats = len(self.env.roles)
+        served = []
+        if self.pool is not None:
+            served = self.pool.serve(iteration)
+        specs = []
+        for g, kernel in enumerate(kernels):
+            for _ in range(rollout.episodes_per_kernel):
+                i = len(specs)
+                if self.pool is not None:
+                    live_seat = g % n_seats  # 7.5: the trained seat alternates between crn groups
+                    opponent = self.pool.draw(served, iteration, i)
+                    agents: list[Agent] = [self.live if s == live_seat else opponent for s in range(n_seats)]
+                    trainable = [s == live_seat for s in range(n_seats)]
+                    guarded = guarded_seats(self.env, agents, live_seat)
+                elif self.opponent is None:
+                    agents = [self.live] * n_seats
+                    trainable = [True] * n_seats
+                    guarded = []
+                else:
+                    live_seat = agent_seat(self.env, i)
+                    agents = [self.live if s == live_seat else self.opponent for s in range(n_seats)]
+                    trainable = [s == live_seat for s in range(n_seats)]
+                    guarded = guarded_seats(self.env, agents, live_seat)
+                specs.append(
+                    EpisodeSpec(
+                        episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",
+                        env=rollout.env,
+                        kernel=kernel,
+                        episode_seed=derive(self.config.seed, iteration, g, "env"),
+                        agents=agents,
+                        group_id=f"{kernel.id}/{iteration}/{g}",
+                        iteration=iteration,
+                        trainable=trainable,
+                        guarded=guarded,
+                    )
+                )
+        return specs
+
+    def run_iteration(self, iteration: int) -> dict[str, Any]:
+        """One iteration of this trainer kind; returns its metrics line."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """After an update: the backend samples the learner's current weights from now on."""
+        self.backend.sync(self.learner.model)
+
+    def advantages(self, batch: Batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, dict]:
+        """Per-sample advantage (and critic target) tensors from the configured estimator."""
+        algo = self.config.algo
+        inputs = self.estimator_inputs(batch)
+        if algo.kl_mode == "reward" and algo.beta_kl > 0:
+            for traj, ref in zip(inputs, batch.trajectories):
+                for k, index in enumerate(ref.samples):
+                    if index in batch.logp_old:
+                        kl = losses.kl_penalty(batch.logp_old[index], batch.logp_ref[index], algo.kl_estimator)
+                        traj.rewards[k] -= algo.beta_kl * float(kl.sum())
+        estimate = self.estimator.fn(inputs, algo, self.estimator_state)
+        whiten = self.estimator.whiten if algo.whiten is None else algo.whiten
+        adv_lists = algos.whiten(estimate.advantages) if whiten else estimate.advantages
+        advantages: dict[int, torch.Tensor] = {}
+        returns: dict[int, torch.Tensor] | None = {} if estimate.returns is not None else None
+        for t, ref in enumerate(batch.trajectories):
+            for k, index in enumerate(ref.samples):
+                if batch.samples[index].trained:
+                    advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
+                    if returns is not None:
+                        returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)
+        metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
+        metrics["advantage/mean"] = float(torch.cat(list(advantages.values())).mean()) if advantages else 0.0
+        if returns:
+            errors = [float(((batch.values[i] - returns[i]) ** 2).mean()) for i in returns if batch.samples[i].n_tokens]
+            metrics["value/mse"] = sum(errors) / len(errors)
+        return advantages, returns, metrics
+
+    def evaluate(self, iteration: int) -> dict[str, Any]:
+        """Held-out evaluation of the live policy (deterministic in seed and iteration)."""
+        start = time.perf_counter()
+        config = self.config
+        result = evaluate(
+            config.rollout.env,
+            self.live,
+            config.eval.episodes,
+            derive(config.seed, "eval"),
+            config.eval.split,
+            self.eval_opponent,
+            gamma=self.discount,
+        )
+        self.backend.reset_cache()
+        out: dict[str, Any] = {
+            "eval/outcome": result.overall[0],
+            "eval/outcome_se": result.overall[1],
+            "eval/discounted_return": result.discounted[0],
+            "eval/discounted_return_se": result.discounted[1],
+        }
+        for role, (mean, se) in result.outcome.items():
+            out[f"eval/outcome/{role}"] = mean
+            out[f"eval/outcome_se/{role}"] = se
+        out["eval/invalid_rate"] = result.invalid_rate
+        out.update({f"eval/env/{k}": v for k, v in result.metrics.items()})
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    # checkpoints
+
+    def save_checkpoint(self, done: int) -> Path:
+        """Write checkpoint ``done`` (iterations completed) atomically; prune old ones."""
+
+        def fill(directory: Path) -> None:
+            self.save_state(directory)
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+            state = {"iterations_done": done, "estimator_state": self.estimator_state}
+            (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
+
+        return write_checkpoint(self.run_dir, done, fill, self.config.keep_checkpoints)
+
+    def save_state(self, directory: Path) -> None:
+        """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``."""
+        self.learner.save(directory)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what :meth:`save_state` wrote."""
+        self.learner.load(directory)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.load_state(path)
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.iteration = state["iterations_done"]
+        self.estimator_state = state["estimator_state"]
+
+    # the loop
+
+    def fit(self, on_line: Callable[[dict[str, Any]], None] | None = None) -> Path:
+        """Run the remaining iterations; returns the run directory."""
+        config = self.config
+        metrics_path = self.run_dir / "metrics.jsonl"
+        for iteration in range(self.iteration, config.iterations):
+            line = self.run_iteration(iteration)
+            done = iteration + 1
+            if done == config.iterations and config.eval.episodes:
+                final = self.evaluate(done)
+                line.update({f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")})
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            self.iteration = done
+            if done % config.checkpoint_every == 0 or done == config.iterations:
+                self.save_checkpoint(done)
+            if on_line is not None:
+                on_line(line)
+        write_report(self.run_dir)
+        return self.run_dir

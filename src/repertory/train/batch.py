@@ -1,0 +1,149 @@
+"""Training samples as the learner sees them: turns of trainable seats exactly as sampled, packed into
+sequences where a seat's prompts extend each other, and single-turn batches of (prompt, response) pairs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from repertory import algos
+from repertory.models.packing import PackedSequence, shared_prompt
+from repertory.types import Episode
+
+
+@dataclass
+class Sample:
+    """One turn of one trainable seat. ``trained`` is its loss mask (all response tokens or none)."""
+
+    trajectory: int
+    turn: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sample: list[float]
+    trained: bool
+
+    @property
+    def n_tokens(self) -> int:
+        """Valid (loss-mask 1) tokens."""
+        return len(self.response_ids) if self.trained else 0
+
+
+@dataclass
+class TrajectoryRef:
+    """Where a trainable seat's samples came from."""
+
+    episode_index: int
+    seat_index: int
+    episode: Episode
+    seat_id: str
+    samples: list[int]
+
+
+@dataclass
+class Batch:
+    """A rollout batch as the learner sees it; the score fields are filled by :meth:`Learner.score`."""
+
+    trajectories: list[TrajectoryRef]
+    samples: list[Sample]
+    sequences: list[PackedSequence]
+    logp_old: dict[int, torch.Tensor] = field(default_factory=dict)
+    logp_ref: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        """Valid tokens of the batch (N_tok)."""
+        return sum(s.n_tokens for s in self.samples)
+
+    def estimator_inputs(self) -> list[algos.TrajectoryInput]:
+        """One :class:`algos.TrajectoryInput` per trajectory (values when the batch was scored with a critic)."""
+        out = []
+        for ref in self.trajectories:
+            seat = ref.episode.seat(ref.seat_id)
+            samples = [self.samples[i] for i in ref.samples]
+            values = None
+            if self.values:
+                values = [self.values[i].tolist() if s.trained else [] for i, s in zip(ref.samples, samples)]
+            rounds = ref.episode.result.info.get("round_points")
+            opponent = [s for s in ref.episode.seats if s.seat_id != ref.seat_id]
+            turns = ref.episode.trajectory(ref.seat_id)
+            round_fields = {}
+            if rounds is not None and len(opponent) == 1:
+                round_fields = {
+                    "group_id": ref.episode.group_id,
+                    "seat_id": ref.seat_id,
+                    "turn_rounds": [t.game_round - 1 for t in turns],
+                    "round_points": rounds[seat.name],
+                    "opponent_seat_id": opponent[0].seat_id,
+                    "opponent_round_points": rounds[opponent[0].name],
+                }
+            out.append(
+                algos.TrajectoryInput(
+                    env=ref.episode.env,
+                    kernel_id=ref.episode.kernel_id,
+                    iteration=ref.episode.iteration,
+                    role=seat.role,
+                    episode_index=ref.episode_index,
+                    seat_index=ref.seat_index,
+                    rewards=[t.reward for t in turns],
+                    lengths=[s.n_tokens for s in samples],
+                    values=values,
+                    **round_fields,
+                )
+            )
+        return out
+
+
+def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool = False) -> Batch:
+    """The training samples of every trainable seat, packed into sequences where prompts extend."""
+    trajectories: list[TrajectoryRef] = []
+    samples: list[Sample] = []
+    sequences: list[PackedSequence] = []
+    for e, episode in enumerate(episodes):
+        for s, seat in enumerate(episode.seats):
+            if not seat.trainable:
+                continue
+            ref = TrajectoryRef(e, s, episode, seat.seat_id, [])
+            t = len(trajectories)
+            for turn in episode.trajectory(seat.seat_id):
+                trained = bool(turn.response_ids) and not (mask_truncated and turn.finish == "length")
+                ref.samples.append(len(samples))
+                samples.append(
+                    Sample(t, turn.turn_index, turn.prompt_ids, turn.response_ids, turn.logp_sample, trained)
+                )
+            trajectories.append(ref)
+            sequences.extend(_pack([(i, samples[i]) for i in ref.samples if samples[i].trained], packing))
+    return Batch(trajectories, samples, sequences)
+
+
+def _pack(samples: list[tuple[int, Sample]], packing: bool) -> list[PackedSequence]:
+    out: list[PackedSequence] = []
+    for index, sample in samples:
+        full = list(sample.prompt_ids) + list(sample.response_ids)
+        current = out[-1] if out and packing else None
+        if current is not None and full[: len(current.input_ids)] == current.input_ids:
+            current.input_ids = full
+            current.spans.append((index, len(sample.prompt_ids)))
+        else:
+            out.append(PackedSequence(full, [(index, len(sample.prompt_ids))]))
+    return out
+
+
+def single_turn_batch(
+    prompts: list[list[int]], responses: list[list[int]], advantages: list[float]
+) -> tuple[Batch, dict[int, torch.Tensor]]:
+    """One learner sample per (prompt, response), its advantage on every token. Consecutive samples with the
+    same prompt (a state's candidates) share one tree sequence, so the prompt is encoded once for all of them."""
+    samples = [Sample(i, 0, list(p), list(r), [], bool(r)) for i, (p, r) in enumerate(zip(prompts, responses))]
+    sequences = []
+    for _, group in itertools.groupby((i for i, s in enumerate(samples) if s.trained), lambda i: samples[i].prompt_ids):
+        members = list(group)
+        sequences.append(shared_prompt(samples[members[0]].prompt_ids, [(i, samples[i].response_ids) for i in members]))
+    adv = {
+        i: torch.full((len(s.response_ids),), float(a))
+        for i, (s, a) in enumerate(zip(samples, advantages))
+        if s.trained
+    }
+    return Batch([], samples, sequences), adv

@@ -1,0 +1,308 @@
+"""The value-like modules the trainers fit beside the policy: the critic's value head, the step-level
+Q-function of Iterative GRPO with its fit (docs/algorithms.md 5.4), and ArCHer's double critic (6.4, 6.5)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from repertory.algos import offline
+from repertory.config import LoraConfig, QConfig
+from repertory.models.packing import PackedSequence, model_inputs, shared_prompt, token_batches
+from repertory.stats import pearson, rank_correlation
+from repertory.store.turns import LoggedTurn
+from repertory.types import RepertoryError, derive
+
+
+class ValueModel(nn.Module):
+    """A backbone with a scalar head (zero-initialised, so the first values are 0)."""
+
+    def __init__(self, backbone: nn.Module, hidden: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+
+def with_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed)
+    config = PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
+    return get_peft_model(model, config)
+
+
+class LastTokenFeatures(nn.Module):
+    """The final hidden state at the last token of each sequence (right padding), read by a backbone that is
+    frozen or has a LoRA adapter of its own (``lora``); the features of the Q-function and ArCHer's critic."""
+
+    def __init__(self, backbone: nn.Module, lora: QConfig | None, seed: int, pad_id: int, name: str):
+        super().__init__()
+        backbone.requires_grad_(False)
+        self.peft = None
+        if lora is not None:
+            config = PeftLoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, target_modules=list(lora.target_modules))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive(seed, "lora", name))
+                self.peft = get_peft_model(backbone, config)
+        self.decoder = backbone.get_decoder()
+        self.size = backbone.config.hidden_size
+        self.device = next(backbone.parameters()).device
+        self.pad_id = pad_id
+
+    def adapter(self) -> list[nn.Parameter]:
+        """The trainable adapter parameters (none for a frozen backbone)."""
+        return [p for p in self.decoder.parameters() if p.requires_grad]
+
+    def forward(self, sequences: list[list[int]]) -> torch.Tensor:
+        return self.at([PackedSequence(list(s), []) for s in sequences], [[len(s) - 1] for s in sequences])
+
+    def at(self, sequences: list[PackedSequence], positions: list[list[int]]) -> torch.Tensor:
+        """Final hidden states at the given positions of each (chain or tree) sequence, in order."""
+        dtype = self.decoder.get_input_embeddings().weight.dtype
+        hidden = self.decoder(**model_inputs(sequences, self.pad_id, self.device, dtype)).last_hidden_state
+        rows = torch.tensor([b for b, ps in enumerate(positions) for _ in ps], device=self.device)
+        cols = torch.tensor([p for ps in positions for p in ps], device=self.device)
+        return hidden[rows, cols].float()
+
+
+class QFunction(nn.Module):
+    """Q(s, a): a scalar head on the last-token features of [history; response], the backbone with its own LoRA
+    adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1] (``bce``), else raw values."""
+
+    def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
+        super().__init__()
+        self.features = LastTokenFeatures(backbone, config, seed, pad_id, "q")
+        self.peft = self.features.peft
+        self.head = nn.Linear(self.features.size, 1).to(self.features.device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.bce = True
+
+    def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter parameters, head parameters)."""
+        return self.features.adapter(), list(self.head.parameters())
+
+    def logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """z per sequence."""
+        return self.head(self.features(sequences)).squeeze(-1)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], micro_tokens: int) -> list[float]:
+        """q per sequence."""
+        out: list[float] = [0.0] * len(sequences)
+        for micro in token_batches([len(s) for s in sequences], micro_tokens):
+            z = self.logits([sequences[i] for i in micro])
+            for i, value in zip(micro, offline.q_values(z, self.bce).tolist()):
+                out[i] = value
+        return out
+
+    @torch.no_grad()
+    def score_groups(self, prompts: list[list[int]], groups: list[list[list[int]]], micro_tokens: int) -> list[float]:
+        """q of every response of every group (flat, in order), each group's prompt encoded once for all its
+        responses (a shared-prompt tree); equal to :meth:`score` of each prompt + response."""
+        trees = [shared_prompt(p, list(enumerate(rs))) for p, rs in zip(prompts, groups)]
+        ends = [
+            [start + len(r) - 1 if r else len(p) - 1 for (_, start), r in zip(tree.spans, rs)]
+            for tree, p, rs in zip(trees, prompts, groups)
+        ]
+        out: list[float] = []
+        for micro in token_batches([len(t.input_ids) for t in trees], micro_tokens):
+            z = self.head(self.features.at([trees[i] for i in micro], [ends[i] for i in micro])).squeeze(-1)
+            out += offline.q_values(z, self.bce).tolist()
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Adapter and head weights, and the output mode."""
+        tensors = {f"adapter.{k}": v for k, v in get_peft_model_state_dict(self.peft).items()}
+        tensors.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
+        tensors["bce"] = torch.tensor(float(self.bce))
+        return {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state`."""
+        adapter = {k.removeprefix("adapter."): v for k, v in tensors.items() if k.startswith("adapter.")}
+        set_peft_model_state_dict(self.peft, adapter)
+        self.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items() if k.startswith("head.")})
+        self.bce = bool(tensors["bce"].item())
+
+
+@dataclass
+class QExample:
+    sequence: list[int]
+    target: float
+
+
+def q_examples(turns: list[LoggedTurn]) -> list[QExample]:
+    """[history; response] -> G_t."""
+    return [QExample(list(t.prompt_ids) + list(t.response_ids), t.ret) for t in turns]
+
+
+def fit_q(
+    q: QFunction,
+    train: list[QExample],
+    val: list[QExample],
+    config: QConfig,
+    seed: int,
+    round_index: int,
+    warm: bool,
+    micro_tokens: int,
+) -> dict[str, float]:
+    """Fit Q to Monte-Carlo returns (5.4): BCE on sigmoid outputs when every target is in [0, 1], else MSE;
+    keep the epoch (0 = the starting point) with the lowest Q-val loss, stop after ``patience`` epochs
+    without one. Without a warm start the head begins at w = 0, b = the mean target (as a logit for BCE)."""
+    if not train:
+        raise RepertoryError("the Q-function has no training turns (every logged kernel fell into Q-val)")
+    q.bce = offline.q_uses_bce([e.target for e in train + val])
+    if not warm:
+        with torch.no_grad():
+            q.head.weight.zero_()
+            q.head.bias.fill_(offline.q_head_init_bias(sum(e.target for e in train) / len(train), q.bce))
+    adapter, head = q.trainable()
+    optimizer = torch.optim.AdamW([{"params": adapter, "lr": config.lr}, {"params": head, "lr": config.head_lr}])
+
+    def loss_on(examples: list[QExample], train_step: bool) -> float:
+        total = 0.0
+        for micro in token_batches([len(e.sequence) for e in examples], micro_tokens):
+            with torch.set_grad_enabled(train_step):
+                z = q.logits([examples[i].sequence for i in micro])
+                targets = torch.tensor([examples[i].target for i in micro], dtype=z.dtype, device=z.device)
+                loss = offline.q_loss(z, targets, q.bce) * (len(micro) / len(examples))
+            if train_step:
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    selection = val or train
+    best_loss, best_epoch, best_state = loss_on(selection, False), 0, q.state()
+    train_loss, epochs = math.nan, 0
+    for epoch in range(1, config.max_epochs + 1):
+        order = list(range(len(train)))
+        random.Random(derive(seed, round_index, epoch, "q")).shuffle(order)
+        losses = []
+        for start in range(0, len(order), config.batch_size):
+            batch = [train[i] for i in order[start : start + config.batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss_on(batch, True) * len(batch))
+            torch.nn.utils.clip_grad_norm_(adapter + head, 1.0)
+            optimizer.step()
+        epochs, train_loss = epoch, sum(losses) / len(train)
+        current = loss_on(selection, False)
+        if current < best_loss:
+            best_loss, best_epoch, best_state = current, epoch, q.state()
+        elif epoch - best_epoch >= config.patience:
+            break
+    q.load(best_state)
+    metrics = {
+        "q/train_loss": train_loss,
+        "q/best_epoch": float(best_epoch),
+        "q/epochs": float(epochs),
+        "q/train_examples": float(len(train)),
+        "q/val_examples": float(len(val)),
+    }
+    if val:
+        predicted = q.score([e.sequence for e in val], micro_tokens)
+        targets = [e.target for e in val]
+        metrics["q/val_loss"] = best_loss
+        metrics["q/val_mse"] = sum((p - g) ** 2 for p, g in zip(predicted, targets)) / len(val)
+        for name, value in (
+            ("pearson", pearson(predicted, targets)),
+            ("spearman", rank_correlation(predicted, targets)),
+        ):
+            if value is not None:
+                metrics[f"q/val_{name}"] = value
+    return metrics
+
+
+def _mlp(d_in: int, d: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 1))
+
+
+class ArcherHeads(nn.Module):
+    """Two V heads on h_s and two Q heads on concat(h_s, h_sa)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.v = nn.ModuleList([_mlp(d, d), _mlp(d, d)])
+        self.q = nn.ModuleList([_mlp(2 * d, d), _mlp(2 * d, d)])
+
+    def values(self, h_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v1, v2 = (head(h_s).squeeze(-1) for head in self.v)
+        return v1, v2
+
+    def qs(self, h_s: torch.Tensor, h_sa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.cat([h_s, h_sa], dim=-1)
+        q1, q2 = (head(both).squeeze(-1) for head in self.q)
+        return q1, q2
+
+
+class ArcherCritic(nn.Module):
+    """ArCHer's double critic with a target copy. ``archer``: heads on the frozen initial model's features
+    (features of logged sequences are cached); ``archer-lc``: the backbone has a LoRA adapter shared by the
+    four heads, and the target network copies adapter and heads."""
+
+    def __init__(self, features: LastTokenFeatures, seed: int):
+        super().__init__()
+        self.features = features
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive(seed, "archer", "heads"))
+            self.heads = ArcherHeads(features.size).to(features.device)
+        self.target = copy.deepcopy(self.heads).requires_grad_(False)
+        self.target_adapter = [p.detach().clone() for p in features.adapter()]
+        self.cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def parameters_to_train(self) -> list[nn.Parameter]:
+        return self.features.adapter() + list(self.heads.parameters())
+
+    def encode(self, sequences: list[list[int]], target: bool = False) -> torch.Tensor:
+        """Features of each sequence: cached for a frozen backbone, with the target adapter if ``target``."""
+        if self.features.peft is None:
+            missing = [s for s in sequences if tuple(s) not in self.cache]
+            if missing:
+                with torch.no_grad():
+                    for s, h in zip(missing, self.features(missing)):
+                        self.cache[tuple(s)] = h
+            return torch.stack([self.cache[tuple(s)] for s in sequences])
+        if not target:
+            return self.features(sequences)
+        online = self.features.adapter()
+        saved = [p.detach().clone() for p in online]
+        with torch.no_grad():
+            for p, t in zip(online, self.target_adapter):
+                p.copy_(t)
+            try:
+                return self.features(sequences)
+            finally:
+                for p, o in zip(online, saved):
+                    p.copy_(o)
+
+    def soft_update(self, tau: float) -> None:
+        """theta_bar <- (1 - tau) theta_bar + tau theta for heads and adapter (after every critic step)."""
+        offline.soft_update(self.target, self.heads, tau)
+        offline.soft_update(self.target_adapter, [p.detach() for p in self.features.adapter()], tau)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        tensors.update({f"target.{k}": v for k, v in self.target.state_dict().items()})
+        tensors.update({f"adapter.{i}": p for i, p in enumerate(self.features.adapter())})
+        tensors.update({f"target_adapter.{i}": p for i, p in enumerate(self.target_adapter)})
+        return {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
+        self.target.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("target.")})
+        with torch.no_grad():
+            for i, p in enumerate(self.features.adapter()):
+                p.copy_(tensors[f"adapter.{i}"])
+            for i, p in enumerate(self.target_adapter):
+                p.copy_(tensors[f"target_adapter.{i}"])

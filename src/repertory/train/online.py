@@ -1,0 +1,78 @@
+"""The online trainer (``trainer: online``): rollout -> advantages -> optimisation epochs -> metrics, one
+iteration at a time.
+
+Each iteration draws train kernels, plays ``episodes_per_kernel`` episodes on each (the groups of critic-free
+estimators), with the live policy in every seat (self-play, all seats trained) or against an opponent (the live
+policy takes each seat in turn; only its seats are trained). The learner scores the batch (log-probs, reference
+log-probs, values), the registered estimator turns rewards into per-token advantages, and the learner runs PPO
+epochs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from repertory.eval import rollout_metrics
+from repertory.rollout import run_episodes
+from repertory.store import write_episodes
+from repertory.system import peak_rss_mb
+from repertory.train.base import Trainer
+from repertory.train.batch import collect
+from repertory.types import RepertoryError
+
+
+class OnlineTrainer(Trainer):
+    """Rollout and update every iteration."""
+
+    def run_iteration(self, iteration: int) -> dict[str, Any]:
+        """Rollout, estimate, update; returns the iteration's metrics line."""
+        config, algo = self.config, self.config.algo
+        line: dict[str, Any] = {"iteration": iteration}
+        if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
+            line.update(self.evaluate(iteration))
+        if self.pool is not None and iteration % config.pool.snapshot_every == 0:
+            self.pool.take(iteration)
+        start = time.perf_counter()
+        generated_before = self.backend.stats.generated_tokens
+        episodes = run_episodes(self.specs(iteration), config.rollout.max_concurrent)
+        rollout_s = time.perf_counter() - start
+        generated = self.backend.stats.generated_tokens - generated_before
+        write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
+        line.update(rollout_metrics(episodes))
+        if self.pool is not None:
+            line["pool/snapshots"] = len(self.pool.snapshots())
+            line["pool/snapshot_matches"] = sum(
+                any(s.policy_id.startswith("snapshot@") for s in ep.seats) for ep in episodes
+            ) / len(episodes)
+
+        start = time.perf_counter()
+        batch = collect(episodes, algo.packing, algo.mask_truncated)
+        if not batch.sequences:
+            raise RepertoryError(
+                f"iteration {iteration}: no trainable tokens (no live seat produced a response); "
+                "check rollout.opponent and the environment"
+            )
+        self.learner.score(batch)
+        advantages, returns, estimate_metrics = self.advantages(batch)
+        update = self.learner.update(batch, advantages, returns, iteration)
+        train_s = time.perf_counter() - start
+        self.sync()
+
+        seq_tokens = sum(len(s.input_ids) for s in batch.sequences)
+        line.update(
+            {
+                "samples": sum(1 for s in batch.samples if s.trained),
+                "tokens/trained": batch.n_tokens,
+                "tokens/sequence": seq_tokens,
+                **update,
+                **estimate_metrics,
+                "time/rollout_s": rollout_s,
+                "time/train_s": train_s,
+                "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
+                "throughput/train_tok_s": seq_tokens * (1 + algo.ppo_epochs) / train_s if train_s else 0.0,
+                "memory/peak_rss_mb": peak_rss_mb(),
+            }
+        )
+        return line
+

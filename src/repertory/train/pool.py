@@ -1,0 +1,82 @@
+"""The opponent pool of ``rollout.opponent: pool`` (docs/algorithms.md 7.5): LoRA snapshots of the live adapter."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from repertory.agents import Agent
+from repertory.agents.lm import LIVE_ADAPTER, AdapterAgent
+from repertory.config import PoolConfig
+from repertory.types import RepertoryError, derive
+
+
+class OpponentPool:
+    """Snapshots of the live adapter (docs/algorithms.md 7.5), kept as files in the run directory and loaded
+    as named adapters into the policy model for the iterations that serve them (``snapshot@K`` agents)."""
+
+    def __init__(
+        self, peft: Any, run_dir: Path, config: PoolConfig, seed: int, live: Agent, resolve: Callable[[str], Agent]
+    ):
+        """``live`` plays the matches no snapshot is drawn for; ``resolve`` builds the ``snapshot@K`` agents."""
+        if peft is None:
+            raise RepertoryError("rollout.opponent 'pool' serves LoRA snapshots; set model.lora.enabled: true")
+        self.peft, self.config, self.seed = peft, config, seed
+        self.live, self.resolve = live, resolve
+        self.directory = run_dir / "snapshots"
+        self.loaded: dict[int, AdapterAgent] = {}
+
+    def snapshots(self) -> list[int]:
+        """Iterations whose snapshot is on disk, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(f.stem) for f in self.directory.glob("*.safetensors") if f.stem.isdigit())
+
+    def take(self, iteration: int) -> None:
+        """Save the live adapter as snapshot ``iteration`` (atomically; rewriting it is harmless)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tensors = get_peft_model_state_dict(self.peft, adapter_name=LIVE_ADAPTER)
+        tmp = self.directory / f".tmp-{iteration:06d}-{os.getpid()}"
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, self.directory / f"{iteration:06d}.safetensors")
+
+    def load(self, snap: int) -> str:
+        """Load snapshot ``snap`` as an adapter of the policy model; returns the adapter's name."""
+        peft, name = self.peft, f"snapshot-{snap}"
+        # A new adapter draws its initial weights (overwritten below) from the global RNG; forking keeps
+        # a resumed run, which loads every snapshot at once, on the same random stream as a straight one.
+        with torch.random.fork_rng(devices=[]):
+            peft.add_adapter(name, peft.peft_config[LIVE_ADAPTER])
+        set_peft_model_state_dict(peft, load_file(str(self.directory / f"{snap:06d}.safetensors")), adapter_name=name)
+        peft.set_adapter(LIVE_ADAPTER)
+        return name
+
+    def serve(self, iteration: int) -> list[AdapterAgent]:
+        """The snapshots served this iteration (a random subset of at most ``max_served``), loaded as adapters of
+        the live policy's model."""
+        available = [i for i in self.snapshots() if i <= iteration]
+        rng = random.Random(derive(self.seed, iteration, "opponent", "served"))
+        served = sorted(rng.sample(available, min(self.config.max_served, len(available))))
+        peft = self.peft
+        for old in [i for i in self.loaded if i not in served]:
+            peft.delete_adapter(self.loaded.pop(old).adapter)
+        for snap in served:
+            if snap not in self.loaded:
+                agent = self.resolve(f"snapshot@{snap}")
+                assert isinstance(agent, AdapterAgent)
+                self.loaded[snap] = agent
+        return [self.loaded[i] for i in served]
+
+    def draw(self, served: list[AdapterAgent], iteration: int, match: int) -> Agent:
+        """Match ``match``'s opponent: a random served snapshot with probability p_snapshot, else the live policy."""
+        rng = random.Random(derive(self.seed, iteration, match, "opponent"))
+        if served and rng.random() < self.config.p_snapshot:
+            return served[rng.randrange(len(served))]
+        return self.live

@@ -1,0 +1,156 @@
+"""Logged turns from played episodes and users' logs, grouped into conversations (docs/algorithms.md 5.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from repertory import algos
+from repertory.envs import Env
+from repertory.models.chat import render_logged
+from repertory.store import EpisodeStore, read_episodes
+from repertory.store.turns import LoggedTurn, load_turns
+from repertory.types import Episode, RepertoryError, derive
+
+
+def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> list[LoggedTurn]:
+    """The turns of every trainable seat that produced tokens, with G_t = sum_{t'>=t} gamma^(t'-t) r_t'."""
+    out = []
+    for ep in episodes:
+        for seat in ep.seats:
+            if not seat.trainable:
+                continue
+            turns = ep.trajectory(seat.seat_id)
+            returns = algos.discounted_returns([turn.reward for turn in turns], gamma)
+            outcome = ep.result.roles[seat.name].outcome
+            for t, (turn, ret) in enumerate(zip(turns, returns)):
+                if not turn.response_ids:
+                    continue
+                out.append(
+                    LoggedTurn(
+                        episode_id=ep.episode_id,
+                        kernel_id=ep.kernel_id,
+                        t=t,
+                        T=len(turns) - 1,
+                        prompt_ids=list(turn.prompt_ids),
+                        response_ids=list(turn.response_ids),
+                        outcome=outcome,
+                        ret=ret,
+                        round=round_index,
+                        seat_id=seat.seat_id,
+                        policy_id=f"pi_{round_index}",
+                        logp_sample=list(turn.logp_sample),
+                        messages=ep.prompt_messages(seat.seat_id, turn.turn_index),
+                        response=turn.text,
+                    )
+                )
+    return out
+
+
+def demonstration_turns(episodes: list[Episode], env: type[Env], tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+    """Logged turns from any played episodes (bots, people, other models): the turns of the seat the policy
+    is trained in (the game's trained seat, or every seat where the game fixes none), each text rendered with
+    the policy's chat template, G_t from the turn rewards."""
+    out = []
+    for ep in episodes:
+        if ep.env != env.name:
+            raise RepertoryError(f"episode {ep.episode_id} is a game of {ep.env}, not {env.name}")
+        seats = [env.roles.index(env.default_trained_role)] if env.fixed_seat else range(len(ep.seats))
+        for index in seats:
+            seat = ep.seats[index]
+            own = ep.trajectory(seat.seat_id)
+            returns = algos.discounted_returns([turn.reward for turn in own], gamma)
+            for t, (turn, ret) in enumerate(zip(own, returns)):
+                messages = ep.prompt_messages(seat.seat_id, turn.turn_index)
+                prompt, response = render_logged(tokenizer, messages, turn.text)
+                out.append(
+                    LoggedTurn(
+                        ep.episode_id,
+                        ep.kernel_id,
+                        t,
+                        len(own) - 1,
+                        prompt,
+                        response,
+                        ep.result.roles[seat.name].outcome,
+                        ret,
+                        0,
+                        seat.seat_id,
+                        seat.agent,
+                        messages=messages,
+                        response=turn.text,
+                    )
+                )
+    return out
+
+
+def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+    """Logged turns from a Parquet file (:func:`repertory.store.turns.load_turns`), text turns rendered with the
+    policy's chat template."""
+    return load_turns(path, gamma, len(tokenizer), lambda messages, text: render_logged(tokenizer, messages, text))
+
+
+def read_logs(path: str | Path, env: type[Env], tokenizer: Any, gamma: float) -> tuple[list[LoggedTurn], list[Episode]]:
+    """Round 0's logs: a logged-turns Parquet file, or played episodes — an episode file or an episode store
+    directory (``repertory play --out``) — whose trained seat's turns become the logged turns."""
+    path = Path(path)
+    if path.is_dir():
+        episodes, errors = EpisodeStore(path).load()
+        if errors:
+            raise RepertoryError("; ".join(map(str, errors)))
+        if not episodes:
+            raise RepertoryError(f"{path}: no episodes in this store")
+    elif path.is_file() and _is_episode_file(path):
+        episodes = read_episodes(path)
+    else:
+        return read_turns(path, tokenizer, gamma), []
+    return demonstration_turns(episodes, env, tokenizer, gamma), episodes
+
+
+def _is_episode_file(path: Path) -> bool:
+    try:
+        return "turns" in pq.read_schema(path).names
+    except (OSError, pa.ArrowException):
+        return False  # read_turns reports what is wrong with it
+
+
+def kernel_split(kernel_ids: Iterable[str], val_fraction: float, seed: int) -> tuple[set[str], set[str]]:
+    """(Q-train, Q-val) kernels: every turn of a kernel on one side, and each kernel on the same side in every
+    round whatever else was logged (Q-val iff a hash of seed and kernel id falls below ``val_fraction``)."""
+    kernels = set(kernel_ids)
+    val = {k for k in kernels if derive(seed, "q-split", k) % 1_000_000 < val_fraction * 1_000_000}
+    if val == kernels:  # nothing left to fit on: no validation this round
+        val = set()
+    return kernels - val, val
+
+
+def first_return(convo: list[LoggedTurn], gamma: float) -> float:
+    """G_0 of a conversation: its first turn's return, discounted back to t = 0 when the log starts later (a
+    first turn without tokens is not logged; its reward, if any, is unknown)."""
+    return gamma ** convo[0].t * convo[0].ret
+
+
+def group_key(turn: LoggedTurn) -> str:
+    """Conversations compared with each other (ST-GRPO groups, KTO's kernel means): same kernel, same seat."""
+    return f"{turn.kernel_id}/{turn.seat_id}"
+
+
+Conversation = tuple[str, str]
+"""One seat's side of one logged episode: (episode id, seat id). Both seats of a self-play game are logged,
+each its own conversation with its own outcome."""
+
+
+def conversation_of(turn: LoggedTurn) -> Conversation:
+    """The conversation a logged turn belongs to."""
+    return turn.episode_id, turn.seat_id
+
+
+def conversations(turns: list[LoggedTurn]) -> dict[Conversation, list[LoggedTurn]]:
+    """Turns grouped by conversation, in turn order."""
+    out: dict[Conversation, list[LoggedTurn]] = {}
+    for turn in sorted(turns, key=lambda x: (x.episode_id, x.seat_id, x.t)):
+        out.setdefault(conversation_of(turn), []).append(turn)
+    return out

@@ -1,0 +1,147 @@
+"""The contract every generation backend keeps, whatever its engine (``repertory.generation.Backend``).
+
+Each test runs once per engine in ``ENGINES``; an engine joins by adding its name there (and, where it needs a
+machine this suite lacks, a skip that names what is missing). The reference for log-probs is a teacher-forced
+pass of the same weights in transformers, the quantity the learner recomputes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repertory.generation import BACKENDS, Backend, SamplingParams, TokenTrie, make_backend
+from repertory.models import LoadedModel, load_tokenizer, tiny_model
+
+ENGINES = ["hf"]
+TOL = 1e-4
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, tokenizer) -> tuple[Backend, LoadedModel]:
+    loaded = tiny_model(tokenizer, layers=2, hidden=64, seed=0)
+    backend = make_backend(request.param, loaded)
+    yield backend, loaded
+    backend.close()
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
+
+
+def largest_gap(expected: list[float], got: list[float]) -> float:
+    assert len(expected) == len(got)
+    return max(abs(a - b) for a, b in zip(expected, got))
+
+
+def test_every_engine_under_test_is_registered():
+    assert set(ENGINES) <= set(BACKENDS)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def test_sampled_logprobs_equal_teacher_forced_recomputation(engine, tokenizer, temperature, top_p):
+    backend, loaded = engine
+    prompts = [tokenizer.encode(text) for text in ("Hi", "Round 1 of 10. " * 7, "You are Alice. " * 3, "x " * 40)]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24)
+    for prompt, g in zip(prompts, backend.generate(prompts, params, seeds=[11, 12, 13, 14])):
+        assert len(g.logprobs) == len(g.token_ids) > 0
+        assert largest_gap(teacher_forced(loaded.model, prompt, g.token_ids, temperature), g.logprobs) < TOL
+
+
+def test_seeds_reproduce_rows_independent_of_batch_composition(engine, tokenizer):
+    backend, _ = engine
+    a, b, c = (tokenizer.encode(t) for t in ("alpha", "beta gamma delta", "epsilon " * 9))
+    params = SamplingParams(max_new_tokens=16)
+    first = backend.generate([a, b, c], params, seeds=[1, 2, 3])
+    assert [g.token_ids for g in backend.generate([a, b, c], params, seeds=[1, 2, 3])] == [g.token_ids for g in first]
+    assert backend.generate([b], params, seeds=[2])[0].token_ids == first[1].token_ids
+    assert [g.token_ids for g in backend.generate([c, a, b], params, seeds=[3, 1, 2])] == [
+        first[2].token_ids,
+        first[0].token_ids,
+        first[1].token_ids,
+    ]
+    assert [g.token_ids for g in backend.generate([a, b, c], params, seeds=[4, 5, 6])] != [g.token_ids for g in first]
+    # Copies of one prompt in one call (a state's candidates) each sample as if alone.
+    copies = backend.generate([a, a, a], params, seeds=[7, 8, 9])
+    assert len({tuple(g.token_ids) for g in copies}) > 1
+    for seed, g in zip([7, 8, 9], copies):
+        alone = backend.generate([a], params, [seed])[0]
+        assert alone.token_ids == g.token_ids and largest_gap(alone.logprobs, g.logprobs) < TOL
+
+
+def test_greedy_budget_and_stop_strings(engine, tokenizer):
+    backend, _ = engine
+    prompt = [tokenizer.encode("Count with me")]
+    greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
+    assert greedy.finish == "length" and len(greedy.token_ids) == 5
+    assert backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0] == greedy
+    text = backend.decode(greedy.token_ids)
+    stop = text[-2:] if len(text) >= 2 else text
+    stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
+    assert stopped.finish == "stop" and stop in backend.decode(stopped.token_ids)
+
+
+def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
+    backend, loaded = engine
+    choices = ["<choose>A</choose>", "<choose>B</choose>", "<keep>3</keep>"]
+    constraint = backend.constraint(choices)
+    assert isinstance(constraint, TokenTrie)
+    prompts = [tokenizer.encode(f"prompt {i} " * (i % 4 + 1)) for i in range(16)]
+    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), list(range(16)), [constraint] * 16)
+    texts = [backend.decode(g.token_ids) for g in out]
+    assert set(texts) <= set(choices) and len(set(texts)) > 1
+    assert all(g.finish == "stop" for g in out)
+    # The recorded log-probs are the unconstrained ones, so the learner can recompute them.
+    for prompt, g in zip(prompts, out):
+        assert largest_gap(teacher_forced(loaded.model, prompt, g.token_ids, 1.0), g.logprobs) < TOL
+    # A constrained row beside free rows changes neither.
+    free = backend.generate(prompts[:2], SamplingParams(max_new_tokens=12), seeds=[0, 1])
+    mixed = backend.generate(prompts[:3], SamplingParams(max_new_tokens=12), [0, 1, 2], [None, None, constraint])
+    assert [g.token_ids for g in mixed[:2]] == [g.token_ids for g in free]
+    assert backend.decode(mixed[2].token_ids) in choices
+
+
+def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
+    """A chat that grows turn by turn under one cache key samples exactly what it samples without the key."""
+    backend, _ = engine
+    params = SamplingParams(max_new_tokens=10)
+    histories = {key: tokenizer.encode(f"You are seat {key}. The game begins. " * 3) for key in ("p0", "p1")}
+    for turn in range(3):
+        keys = sorted(histories)
+        prompts = [histories[k] for k in keys]
+        seeds = [100 * turn + i for i in range(len(keys))]
+        cached = backend.generate(prompts, params, seeds, cache_keys=[("contract", k) for k in keys])
+        plain = backend.generate(prompts, params, seeds)
+        for c, p in zip(cached, plain):
+            assert c.token_ids == p.token_ids and largest_gap(c.logprobs, p.logprobs) < TOL
+        for k, g in zip(keys, cached):
+            histories[k] = histories[k] + g.token_ids + tokenizer.encode(f" Turn {turn} is over.")
+    backend.reset_cache()
+
+
+def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer):
+    """After the learner changes the weights, ``sync`` leaves nothing stale: the engine samples as a fresh one."""
+    for kind in ENGINES:
+        loaded = tiny_model(tokenizer, layers=2, hidden=64, seed=4)
+        backend = make_backend(kind, loaded)
+        prompt = tokenizer.encode("Round 1 of 10. " * 4)
+        params = SamplingParams(max_new_tokens=8)
+        backend.generate([prompt], params, [5], cache_keys=["seat"])
+        with torch.no_grad():
+            for p in loaded.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        backend.sync(loaded.model)
+        after = backend.generate([prompt + [13]], params, [6], cache_keys=["seat"])[0]
+        fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
+        assert after.token_ids == fresh.token_ids and largest_gap(after.logprobs, fresh.logprobs) < TOL
+        backend.close()
