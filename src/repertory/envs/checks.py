@@ -3,8 +3,8 @@
 ``check_env`` checks the properties of environments.md 1 that every game must have, whatever its
 turn order (simultaneous rounds, alternating messages, phases in which any subset of seats acts):
 its kernels, ``validate`` against ``step``, robustness to arbitrary text, reward bookkeeping and
-privacy. It plays the class's own bots and fuzzed text (``random.Random``; no test dependency) and
-raises :class:`EnvCheckError` at the first failure, naming the environment, the property (a key of
+privacy. It plays the class's own bots and fuzzed text (:mod:`repertory.envs.fuzz`) and raises
+:class:`EnvCheckError` at the first failure, naming the environment, the property (a key of
 :data:`PROPERTIES`) and how to reproduce it. :func:`check_episode` is the per-episode checker, for
 tests that draw the texts themselves (with hypothesis, say).
 """
@@ -15,12 +15,12 @@ import copy
 import json
 import math
 import random
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from repertory.envs.base import Env
+from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, lineups
 from repertory.envs.kernels import KERNELS_PER_SPLIT, MAX_RETRIES, generate_kernels, kernel_file_text, shipped_file
 from repertory.envs.parsing import clean
 from repertory.types import SPLITS, Kernel, Message, Result, StepResult, canonical_json, derive
@@ -43,9 +43,6 @@ PROPERTIES: dict[str, str] = {
     "termination": "episodes end within max_steps; then nobody acts, validate refuses and step raises RuntimeError",
     "determinism": "replaying the same texts gives the same observations, step results and result",
 }
-
-Policy = Callable[[Env, str], str]
-"""Who writes the text of an acting role: ``policy(env, role) -> text``."""
 
 MIN_SECRET_CHARS = 16
 """Shorter private strings (names, numbers, single words) may legitimately recur in public text."""
@@ -73,23 +70,6 @@ PROBES = (
     "<pass/>",
 )
 """Texts ``validate`` sees for every role at every step of the bot episodes (a sample in fuzzed ones)."""
-
-FRAGMENTS = (
-    *("<choose>", "</choose>", "A", "B", "a", "<propose>", "</propose>", "<PROPOSE>", "<think>", "</think>"),
-    *("<accept/>", "<accept>", "</accept>", "<ACCEPT >", "<reject/>", "<walkaway/>", "<pass/>", "<leave/>"),
-    *("<vote>", "</vote>", "<kill>", "<inspect>", "<save>", "<poison>", "<act>", "<nonverbal>", "</act>", "<"),
-    *("{", "}", "[", "]", '"hats":', '"Books":', '"balls":', '"keep":', '"price":', '"shoes":', ",", ":"),
-    *(" ", "\n", "0", "3", "5", "10", "11", "-1", "3.0", "3.5", "1e3", "NaN", "Infinity", "true", "null"),
-    *('"3"', "rock", "paper", "scissors"),
-)
-NUMBERS = ("0", "1", "2", "3", "5", "10", "11", "60", "-1", "-0", "3.0", "3.5", "1e2", "NaN", "true", '"3"', "null")
-JUNK_PAYLOADS = (
-    *("", " ", "{", "}", "[]", "[1, 2]", "null", "{}", '{"a": 1}', '{"x": NaN}', '{"x": 1,}', "{'x': 1}"),
-    *("[" * 3000, "{" * 50, '"text"', "3", '{"x": {"y": []}}', '{"x": 1e999}'),
-)
-_TAG_EXAMPLE = re.compile(r"<([A-Za-z][\w-]*)>[^<>\n]*</\1>|<[A-Za-z][\w-]*\s*/>")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_KEY = re.compile(r'"([^"\\]+)"\s*:')
 
 
 class EnvCheckError(AssertionError):
@@ -163,8 +143,8 @@ def check_env(
     """
     kernels = check_kernels(env_class)
     played = []
-    for lineup in _lineups(env_class):
-        policy = _bot_policy(dict(zip(env_class.roles, lineup)))
+    for lineup in lineups(env_class):
+        policy = bot_policy(dict(zip(env_class.roles, lineup)))
         for split in SPLITS:
             for i, kernel in enumerate(kernels[split][:episodes]):
                 episode_seed = derive("check_env", seed, *lineup, split, i)
@@ -175,7 +155,7 @@ def check_env(
     pool = kernels["train"] + kernels["heldout"]
     for j in range(examples):
         rng = random.Random(derive("check_env", env_class.name, seed, j))
-        fuzz = _Fuzzer(rng)
+        fuzz = TextFuzzer(rng)
         episode = check_episode(
             env_class, rng.choice(pool), rng.getrandbits(63), fuzz, max_steps=max_steps, probes=rng.sample(PROBES, 3)
         )
@@ -225,7 +205,7 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             problems = _kernel_problems(env_class, k.data, k.id)
             if problems:
                 fail(f"kernel {k.id} is invalid: {'; '.join(problems)}")
-            if _retry_of(name, split, i, k.seed) is None:
+            if not _seeded(name, split, i, k.seed):
                 fail(f"kernel {k.id} has seed {k.seed}, neither derive('repertory', ...) nor one of its retries")
             if env_class.generate_kernel(random.Random(k.seed)) != k.data:
                 fail(f"kernel {k.id}: generate_kernel(Random(seed)) does not give its data")
@@ -256,11 +236,10 @@ def _kernel_problems(env_class: type[Env], data: dict[str, Any], what: str) -> l
     return problems
 
 
-def _retry_of(name: str, split: str, i: int, seed: int) -> int | None:
-    """0 for the first-draw seed, r for retry r, None for any other seed."""
-    if seed == derive("repertory", name, split, i):
-        return 0
-    return next((r for r in range(1, MAX_RETRIES + 1) if seed == derive("repertory", name, split, i, "retry", r)), None)
+def _seeded(name: str, split: str, i: int, seed: int) -> bool:
+    """Whether ``seed`` is kernel i's first-draw seed or one of its uniqueness retries (environments.md 1.5)."""
+    retries = (derive("repertory", name, split, i, "retry", r) for r in range(1, MAX_RETRIES + 1))
+    return seed == derive("repertory", name, split, i) or seed in retries
 
 
 # -- episodes ---------------------------------------------------------------------------------------------
@@ -323,7 +302,7 @@ def check_episode(
             played.observations[role] += check.call(f"observe({role!r})", env.observe, role)
         try:
             texts = {role: policy(env, role) for role in acting}
-        except _BotError as exc:
+        except BotError as exc:
             check.fail("bots-valid", str(exc))
         if len(acting) > 1:
             for role in acting:
@@ -409,7 +388,7 @@ def _check_pure_calls(
     return verdict
 
 
-def _validate(env: Env, check: _Checker, role: str, text: str, texts: dict[str, str]) -> tuple[bool, str]:
+def _validate(env: Env, check: _Checker, role: str, text: str, texts: dict[str, str] | None) -> tuple[bool, str]:
     answer = check.call(f"validate({role!r}, {_short(text)})", env.validate, role, text, pending=texts)
     if not (
         isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool) and isinstance(answer[1], str)
@@ -447,7 +426,7 @@ def _check_end(
     before = copy.deepcopy(vars(env))
     for role in env.roles:
         for probe in PROBES:
-            if _validate(env, check, role, probe, {})[0]:
+            if _validate(env, check, role, probe, None)[0]:
                 check.fail("termination", f"validate({role!r}, {probe!r}) accepted after the end")
     changed = _diff(before, vars(env))
     if changed is not None:
@@ -602,151 +581,3 @@ def _diff(a: Any, b: Any, path: str = "env", depth: int = 0) -> str | None:
     if hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:
         return _diff(vars(a), vars(b), path, depth + 1)
     return None if a == b else f"{path} ({_short(a, 80)} became {_short(b, 80)})"
-
-
-# -- who writes the text ----------------------------------------------------------------------------------
-
-
-def _lineups(env_class: type[Env]) -> list[tuple[str, ...]]:
-    """Bot per seat: all first, alternating first/last, alternating last/first, all last (deduplicated)."""
-    names = list(env_class.bots)
-    if not names:
-        return []
-    first, last, n = names[0], names[-1], len(env_class.roles)
-    lineups = [
-        (first,) * n,
-        tuple(first if i % 2 == 0 else last for i in range(n)),
-        tuple(last if i % 2 == 0 else first for i in range(n)),
-        (last,) * n,
-    ]
-    return list(dict.fromkeys(lineups))
-
-
-class _BotError(Exception):
-    """A bot raised or returned something other than text; check_episode reports it as ``bots-valid``."""
-
-
-def _bot_text(env: Env, bot: str, role: str) -> str:
-    try:
-        text = env.bots[bot](env.view(role))
-    except Exception as exc:
-        raise _BotError(f"bot {bot!r} in {role!r} raised {exc!r}") from exc
-    if not isinstance(text, str):
-        raise _BotError(f"bot {bot!r} in {role!r} returned {_short(text)}, not text")
-    return text
-
-
-def _bot_policy(bot_of: dict[str, str]) -> Policy:
-    return lambda env, role: _bot_text(env, bot_of[role], role)
-
-
-class _Fuzzer:
-    """Arbitrary text for a role: unicode noise, tag soup, and the role's valid moves (the tag examples
-    of its system prompt, its bots' moves, its action choices), as they are or mutated."""
-
-    KINDS = ("noise", "soup", "valid", "mutated", "edge")
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-        self.examples: dict[str, list[str]] = {}
-        # Each episode mixes the kinds differently: mostly valid moves reach deep states, mostly noise
-        # the error paths.
-        self.weights = [rng.random() for _ in self.KINDS]
-
-    def __call__(self, env: Env, role: str) -> str:
-        rng = self.rng
-        kind = rng.choices(self.KINDS, self.weights)[0]
-        if kind == "noise":
-            return self.noise(rng.randint(0, 80))
-        if kind == "soup":
-            return self.soup()
-        move = self.move(env, role)
-        if kind == "valid":
-            return move
-        if kind == "mutated":
-            for _ in range(rng.randint(1, 3)):
-                move = self.mutate(move, env, role)
-            return move
-        return rng.choice(("", " ", "\n\n", "<think>", "<" * 3000, "\x00", "\ud800", self.noise(3) * 2000))
-
-    def noise(self, n: int) -> str:
-        rng = self.rng
-        pools = (
-            (0x20, 0x7E),
-            (0x20, 0x7E),
-            (0x09, 0x0D),
-            (0xA0, 0x24F),
-            (0x370, 0x6FF),
-            (0x3000, 0x9FFF),
-            (0x200B, 0x202E),
-            (0x1F300, 0x1FAFF),
-            (0x80, 0x10FFFF),
-            (0xD800, 0xDFFF),
-        )
-        weights = (8, 8, 1, 2, 1, 1, 1, 1, 1, 0.2)
-        return "".join(chr(rng.randint(*rng.choices(pools, weights)[0])) for _ in range(n))
-
-    def soup(self) -> str:
-        rng = self.rng
-        return "".join(
-            rng.choice(FRAGMENTS) if rng.random() < 0.8 else self.noise(rng.randint(0, 4))
-            for _ in range(rng.randint(0, 25))
-        )
-
-    def move(self, env: Env, role: str) -> str:
-        rng = self.rng
-        key = f"{env.kernel.id if env.kernel else ''}|{role}"
-        if key not in self.examples:
-            self.examples[key] = [m.group(0) for m in _TAG_EXAMPLE.finditer(env.system_prompt(role))]
-        sources = ["example"] * bool(self.examples[key]) + ["bot"] * bool(env.bots) + ["choice"]
-        source = rng.choice(sources)
-        if source == "bot":
-            return _bot_text(env, rng.choice(list(env.bots)), role)
-        if source == "choice":
-            choices = env.action_choices(role)
-            return rng.choice(choices) if choices else self.soup()
-        return rng.choice(self.examples[key])
-
-    MUTATIONS = (
-        *("numbers", "same-number", "same-number", "payload", "payload", "keys", "case", "unclose", "empty-tag"),
-        *("cut", "think", "wrap", "append", "pad"),
-    )
-
-    def mutate(self, text: str, env: Env, role: str) -> str:
-        rng = self.rng
-        op = rng.choice(self.MUTATIONS)
-        if op == "numbers":
-            return _NUMBER.sub(lambda m: rng.choice(NUMBERS), text)
-        if op == "same-number":  # all-zero and all-max shares are the classic edge cases
-            number = rng.choice(("0", "0", "1", "-1", "10", "100"))
-            return _NUMBER.sub(lambda m: number, text)
-        if op == "payload":
-            start, end = text.find(">"), text.rfind("</")
-            junk = rng.choice(JUNK_PAYLOADS + (self.noise(rng.randint(0, 12)),))
-            return text[: start + 1] + junk + text[end:] if 0 <= start < end else text + junk
-        if op == "keys":
-            return _KEY.sub(lambda m: f'"{self.key(m.group(1))}":', text)
-        if op == "case":
-            return re.sub(r"<(/?)([A-Za-z]\w*)", lambda m: f"<{m.group(1)}{self.case(m.group(2))}", text)
-        if op == "unclose":
-            end = text.rfind("</")
-            return text[:end] + text[text.find(">", end) + 1 :] if end >= 0 and ">" in text[end:] else text + "</"
-        if op == "empty-tag":
-            return text.replace("/>", rng.choice(("", ">", " />", "></x>")))
-        if op == "cut":
-            return text[: rng.randint(0, len(text))]
-        if op == "think":
-            return rng.choice((f"<think>{text}</think>", f"<think>{text}", f"{text}<think>", f"<THINK>x</think>{text}"))
-        if op == "wrap":
-            return f"{self.noise(rng.randint(0, 10))}{text}{self.noise(rng.randint(0, 10))}"
-        if op == "append":
-            other = self.move(env, role)
-            return f"{text} {other}" if rng.random() < 0.5 else f"{other} {text}"
-        # Padding that puts the tag just inside or just past the truncation limit.
-        return "x" * max(0, env.max_chars(role) - len(text) + rng.randint(-1, 1)) + text
-
-    def case(self, name: str) -> str:
-        return "".join(c.upper() if self.rng.random() < 0.5 else c.lower() for c in name)
-
-    def key(self, key: str) -> str:
-        return self.rng.choice((key.upper(), key + "s", f" {key} ", key.rstrip("s"), "unknown", key + key))
