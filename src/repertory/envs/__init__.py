@@ -2,7 +2,8 @@
 
 ``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is available;
 ``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split. Built-in
-games are imported on first use, so loading one game never imports the others.
+games are imported on first use, so loading one game never imports the others. A new game checks
+itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``.
 """
 
 from __future__ import annotations

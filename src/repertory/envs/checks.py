@@ -15,12 +15,12 @@ import copy
 import json
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from repertory.envs.base import Env
-from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, lineups
+from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, default_lineups
 from repertory.envs.kernels import KERNELS_PER_SPLIT, MAX_RETRIES, generate_kernels, kernel_file_text, shipped_file
 from repertory.envs.parsing import clean
 from repertory.types import SPLITS, Kernel, Message, Result, StepResult, canonical_json, derive
@@ -131,19 +131,30 @@ class Played:
 
 
 def check_env(
-    env_class: type[Env], *, episodes: int = 5, examples: int = 50, seed: int = 0, max_steps: int = 1000
+    env_class: type[Env],
+    *,
+    episodes: int = 5,
+    examples: int = 50,
+    seed: int = 0,
+    max_steps: int = 1000,
+    lineups: Sequence[Sequence[str]] | None = None,
 ) -> CheckSummary:
     """Check ``env_class`` against every property of :data:`PROPERTIES`; raise :class:`EnvCheckError` at
     the first failure.
 
-    Plays the first ``episodes`` kernels of each split with each bot lineup (every seat the first bot;
-    seats alternating first and last bot, both ways; every seat the last bot), then ``examples``
-    episodes of fuzzed text on random kernels of both splits. ``seed`` varies the episode seeds and
-    the fuzz; ``max_steps`` bounds an episode. Returns a :class:`CheckSummary`.
+    Plays the first ``episodes`` kernels of each split with each bot lineup, then ``examples``
+    episodes of fuzzed text on random kernels of both splits. A lineup names a bot per seat, in seat
+    order; by default every seat the first bot, seats alternating first and last bot (both ways),
+    every seat the last bot; pass ``lineups`` where bots only fit some seats. ``seed`` varies the
+    episode seeds and the fuzz; ``max_steps`` bounds an episode. Returns a :class:`CheckSummary`.
     """
+    chosen = [tuple(lineup) for lineup in lineups] if lineups is not None else default_lineups(env_class)
+    for lineup in chosen:
+        if len(lineup) != len(env_class.roles) or not set(lineup) <= set(env_class.bots):
+            raise ValueError(f"lineup {lineup} must name one of {sorted(env_class.bots)} for each of {env_class.roles}")
     kernels = check_kernels(env_class)
     played = []
-    for lineup in lineups(env_class):
+    for lineup in chosen:
         policy = bot_policy(dict(zip(env_class.roles, lineup)))
         for split in SPLITS:
             for i, kernel in enumerate(kernels[split][:episodes]):
@@ -152,10 +163,12 @@ def check_env(
                 if i == 0:
                     _check_replay(env_class, episode)
                 played.append(episode)
+    # The fuzzer borrows moves only from bots that fit the seat.
+    seat_bots = {role: sorted({lineup[i] for lineup in chosen}) for i, role in enumerate(env_class.roles)}
     pool = kernels["train"] + kernels["heldout"]
     for j in range(examples):
         rng = random.Random(derive("check_env", env_class.name, seed, j))
-        fuzz = TextFuzzer(rng)
+        fuzz = TextFuzzer(rng, seat_bots)
         episode = check_episode(
             env_class, rng.choice(pool), rng.getrandbits(63), fuzz, max_steps=max_steps, probes=rng.sample(PROBES, 3)
         )
@@ -216,13 +229,17 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             earlier = seen.setdefault(canonical_json(k.data), k.id)
             if earlier != k.id:
                 fail(f"kernels {earlier} and {k.id} have the same content (unique_kernels is set)")
-    good = out["train"][0].data
+    # Fields every kernel has are required, and those never null must not be null.
+    every = out["train"] + out["heldout"]
+    good = every[0].data
+    required = [key for key in good if all(key in k.data for k in every)]
     broken = [("{}", {})]
-    broken += [(f"the kernel without {key!r}", {k: v for k, v in good.items() if k != key}) for key in good]
-    broken += [(f"the kernel with {key!r} = None", {**good, key: None}) for key in good]
+    broken += [(f"the kernel without {key!r}", {k: v for k, v in good.items() if k != key}) for key in required]
+    never_null = [key for key in required if all(k.data[key] is not None for k in every)]
+    broken += [(f"the kernel with {key!r} = None", {**good, key: None}) for key in never_null]
     for what, data in broken:
         if not _kernel_problems(env_class, data, what):
-            fail(f"validate_kernel finds no problem with {what} (built from {out['train'][0].id})")
+            fail(f"validate_kernel finds no problem with {what} (built from {every[0].id})")
     return out
 
 

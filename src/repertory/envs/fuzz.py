@@ -30,7 +30,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _KEY = re.compile(r'"([^"\\]+)"\s*:')
 
 
-def lineups(env_class: type[Env]) -> list[tuple[str, ...]]:
+def default_lineups(env_class: type[Env]) -> list[tuple[str, ...]]:
     """Bot per seat: all first, alternating first/last, alternating last/first, all last (deduplicated)."""
     names = list(env_class.bots)
     if not names:
@@ -63,12 +63,14 @@ def bot_policy(bot_of: dict[str, str]) -> Policy:
 
 class TextFuzzer:
     """Arbitrary text for a role: unicode noise, tag soup, and the role's valid moves (the tag examples
-    of its system prompt, its bots' moves, its action choices), as they are or mutated."""
+    of its system prompt, its bots' moves, its action choices), as they are or mutated.
+    ``seat_bots`` names the bots that fit each role (default: every bot fits every role)."""
 
     KINDS = ("noise", "soup", "valid", "mutated", "edge")
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, seat_bots: dict[str, list[str]] | None = None):
         self.rng = rng
+        self.seat_bots = seat_bots
         self.examples: dict[str, list[str]] = {}
         # Each episode mixes the kinds differently: mostly valid moves reach deep states, mostly noise
         # the error paths.
@@ -119,10 +121,11 @@ class TextFuzzer:
         key = f"{env.kernel.id if env.kernel else ''}|{role}"
         if key not in self.examples:
             self.examples[key] = [m.group(0) for m in _TAG_EXAMPLE.finditer(env.system_prompt(role))]
-        sources = ["example"] * bool(self.examples[key]) + ["bot"] * bool(env.bots) + ["choice"]
+        bots = list(env.bots) if self.seat_bots is None else self.seat_bots.get(role, [])
+        sources = ["example"] * bool(self.examples[key]) + ["bot"] * bool(bots) + ["choice"]
         source = rng.choice(sources)
         if source == "bot":
-            return bot_text(env, rng.choice(list(env.bots)), role)
+            return bot_text(env, rng.choice(bots), role)
         if source == "choice":
             choices = env.action_choices(role)
             return rng.choice(choices) if choices else self.soup()
