@@ -7,19 +7,22 @@ from __future__ import annotations
 import json
 import random
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from repertory.envs import Env, env_class, env_names, load_kernels
+from repertory.envs import Env, checks, env_class, env_names, load_kernels
 from repertory.envs.base import other
-from repertory.envs.checks import PROPERTIES, EnvCheckError, check_env, check_episode
+from repertory.envs.checks import PROPERTIES, EnvCheckError, check_env, check_episode, check_kernels
 from repertory.envs.deal_or_no_deal import DealOrNoDeal
 from repertory.envs.ipd import IteratedPrisonersDilemma
+from repertory.envs.kernels import generate_kernels
 from repertory.envs.negotiation import Negotiation, Standing
 from repertory.envs.parsing import PayloadError, clean, last_tag
 from repertory.envs.trust_and_split import TrustAndSplit
-from repertory.types import Action, Parsed, StepResult
+from repertory.envs.ultimatum import Ultimatum
+from repertory.types import SPLITS, Action, Kernel, Parsed, StepResult, derive
 
 ROUND_GAME_STEPS = {"ipd": 10, "split-no-comm": 10, "trust-and-split": 30}
 
@@ -119,7 +122,7 @@ class Ballot(Env):
         tally = {n: list(votes.values()).count(n) for n in set(votes.values())}
         top = [n for n, c in tally.items() if c == max(tally.values(), default=0)]
         winner = top[0] if len(top) == 1 else None
-        rewards = {r: 0.5 for r, v in votes.items() if v == winner}
+        rewards = {r: 0.5 if winner and votes.get(r) == winner else 0.0 for r in self.roles}
         for role, reward in rewards.items():
             self.points[role] += Fraction(reward)
         for role in self.roles:
@@ -214,6 +217,15 @@ class PromptFollowsTheRound(IteratedPrisonersDilemma):
 
     def system_prompt(self, role: str) -> str:
         return f"{super().system_prompt(role)}\nThis is round {getattr(self, 'round', 1)}."
+
+
+class QuietEnd(Ballot):
+    """Rewards only the voters who backed the winner."""
+
+    def _apply(self, parsed: dict[str, Parsed]) -> StepResult:
+        result = super()._apply(parsed)
+        result.rewards = {r: x for r, x in result.rewards.items() if x}
+        return result
 
 
 class DoubleOutcome(IteratedPrisonersDilemma):
@@ -311,6 +323,7 @@ BROKEN = [
     (AnnouncesMottos, "privacy", "my motto is"),
     (PromptFollowsTheRound, "prompts", "not its system prompt"),
     (DoubleOutcome, "rewards-sum", "add up to"),
+    (QuietEnd, "rewards-sum", "not every role"),
     (MiscountsTurns, "accounting", "n_turns"),
     (NoEndReason, "accounting", "end_reason"),
     (SloppyBot, "bots-valid", "I choose A"),
@@ -335,6 +348,37 @@ def test_check_env_reports_each_broken_environment(broken, prop, detail):
     assert error.property == prop and prop in PROPERTIES, str(error)
     assert str(error).startswith(f"{broken.name}: {prop}: ") and detail in str(error), str(error)
     assert error.env == broken.name
+
+
+def _first_draws(env: type[Env], n: int = 100) -> dict[str, list[Kernel]]:
+    """generate_kernels without the uniqueness retries."""
+    seeds = {split: [derive("repertory", env.name, split, i) for i in range(n)] for split in SPLITS}
+    return {
+        split: [
+            Kernel(f"{env.name}/{split}/{i:03d}", env.name, split, i, s, env.generate_kernel(random.Random(s)))
+            for i, s in enumerate(seeds[split])
+        ]
+        for split in SPLITS
+    }
+
+
+def _needless_retry(env: type[Env], n: int = 100) -> dict[str, list[Kernel]]:
+    """generate_kernels, but the first kernel is redrawn although its first draw is new."""
+    out = generate_kernels(env, n)
+    seed = derive("repertory", env.name, "train", 0, "retry", 1)
+    out["train"][0] = Kernel(out["train"][0].id, env.name, "train", 0, seed, env.generate_kernel(random.Random(seed)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("generator", "detail"),
+    [(_first_draws, "have the same content"), (_needless_retry, "took retry 1, but draw 0 was already new")],
+)
+def test_kernel_seeds_are_rederived_without_trusting_generate_kernels(monkeypatch, generator, detail):
+    monkeypatch.setattr(checks, "generate_kernels", generator)
+    monkeypatch.setattr(checks, "shipped_file", lambda name, split: Path("/nonexistent") / f"{split}.jsonl")
+    with pytest.raises(EnvCheckError, match=detail):
+        check_kernels(Ultimatum)
 
 
 def test_a_failure_names_a_reproducing_kernel_seed_and_texts():

@@ -36,7 +36,7 @@ PROPERTIES: dict[str, str] = {
     "action-choices": "every listed action choice validates",
     "accounting": "acting roles are distinct roles; n_turns and n_invalid count the steps; outcomes lie in "
     "[0, 1]; there is an end reason; metrics are JSON numbers",
-    "rewards-sum": "each role's rewards add up to its outcome",
+    "rewards-sum": "each role's rewards add up to its outcome; the step that ends the episode rewards every role",
     "bots-valid": "bots never raise and never write an invalid action",
     "prompts": "each role's chat opens with its system prompt",
     "privacy": "no role's system prompt lines, private view text or simultaneous-phase text reach another role",
@@ -218,17 +218,23 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             problems = _kernel_problems(env_class, k.data, k.id)
             if problems:
                 fail(f"kernel {k.id} is invalid: {'; '.join(problems)}")
-            if not _seeded(name, split, i, k.seed):
-                fail(f"kernel {k.id} has seed {k.seed}, neither derive('repertory', ...) nor one of its retries")
             if env_class.generate_kernel(random.Random(k.seed)) != k.data:
                 fail(f"kernel {k.id}: generate_kernel(Random(seed)) does not give its data")
         out[split] = kernels
-    if env_class.unique_kernels:
-        seen: dict[str, str] = {}
-        for k in out["train"] + out["heldout"]:
-            earlier = seen.setdefault(canonical_json(k.data), k.id)
-            if earlier != k.id:
-                fail(f"kernels {earlier} and {k.id} have the same content (unique_kernels is set)")
+    # The seed is the first draw whose content is new (environments.md 1.5; train before held-out).
+    seen: dict[str, str] = {}
+    for k in out["train"] + out["heldout"]:
+        retry = next((r for r in range(MAX_RETRIES + 1) if k.seed == _seed(name, k.split, k.index, r)), None)
+        if retry is None:
+            fail(f"kernel {k.id} has seed {k.seed}, neither derive('repertory', ...) nor one of its retries")
+        if retry and not env_class.unique_kernels:
+            fail(f"kernel {k.id} was redrawn (retry {retry}) although unique_kernels is off")
+        for r in range(retry):
+            if canonical_json(env_class.generate_kernel(random.Random(_seed(name, k.split, k.index, r)))) not in seen:
+                fail(f"kernel {k.id} took retry {retry}, but draw {r} was already new")
+        earlier = seen.setdefault(canonical_json(k.data), k.id)
+        if env_class.unique_kernels and earlier != k.id:
+            fail(f"kernels {earlier} and {k.id} have the same content (unique_kernels is set)")
     # Fields every kernel has are required, and those never null must not be null.
     every = out["train"] + out["heldout"]
     good = every[0].data
@@ -253,10 +259,9 @@ def _kernel_problems(env_class: type[Env], data: dict[str, Any], what: str) -> l
     return problems
 
 
-def _seeded(name: str, split: str, i: int, seed: int) -> bool:
-    """Whether ``seed`` is kernel i's first-draw seed or one of its uniqueness retries (environments.md 1.5)."""
-    retries = (derive("repertory", name, split, i, "retry", r) for r in range(1, MAX_RETRIES + 1))
-    return seed == derive("repertory", name, split, i) or seed in retries
+def _seed(name: str, split: str, i: int, retry: int) -> int:
+    """Kernel i's seed for its first draw (retry 0) or its uniqueness retry ``retry``."""
+    return derive("repertory", name, split, i, "retry", retry) if retry else derive("repertory", name, split, i)
 
 
 # -- episodes ---------------------------------------------------------------------------------------------
@@ -356,6 +361,8 @@ def check_episode(
         played.steps.append(result)
     for role in roles:
         played.observations[role] += check.call(f"observe({role!r})", env.observe, role)
+    if played.steps and sorted(played.steps[-1].rewards) != sorted(roles):
+        check.fail("rewards-sum", f"the last step rewards {sorted(played.steps[-1].rewards)}, not every role")
     played.result = _check_end(env, check, rewards, turns, invalid)
     for role in roles:
         opening = played.observations[role][:1]
