@@ -141,7 +141,10 @@ def test_arbitrary_text_never_breaks_a_game_and_validate_agrees_with_step(env, t
         return next(script, "Let us keep talking.")
 
     cls = env_class(env)
-    check_episode(cls, load_kernels(env, "train")[3], 7, policy, max_steps=cls.max_messages)
+    played = check_episode(cls, load_kernels(env, "train")[3], 7, policy, max_steps=cls.max_messages)
+    # One terminal reward per role, equal to its outcome.
+    *early, last = [step.rewards for step in played.steps]
+    assert not any(early) and last == {role: rr.outcome for role, rr in played.result.roles.items()}
 
 
 def _craigslist_meets(game: Negotiation) -> bool:
