@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from repertory.envs.base import Env
 from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, default_lineups
@@ -120,7 +120,8 @@ class CheckSummary:
 
 @dataclass
 class Played:
-    """One checked episode: the texts sent each step, what each role saw, the step results, the result."""
+    """One checked episode: the texts sent each step, what each role saw, the step results, the result
+    and the environment as the last step left it."""
 
     kernel: Kernel
     episode_seed: int
@@ -128,6 +129,7 @@ class Played:
     observations: dict[str, list[Message]] = field(default_factory=dict)
     steps: list[StepResult] = field(default_factory=list)
     result: Result | None = None
+    env: Env | None = None
 
 
 def check_env(
@@ -185,7 +187,7 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
     """The ``kernels`` property; returns both splits (the shipped files where the package has them)."""
     name = env_class.name
 
-    def fail(detail: str) -> None:
+    def fail(detail: str) -> NoReturn:
         raise EnvCheckError(name, "kernels", detail)
 
     try:
@@ -273,7 +275,7 @@ class _Checker:
     def __init__(self, env_class: type[Env], played: Played):
         self.name, self.played = env_class.name, played
 
-    def fail(self, prop: str, detail: str, pending: dict[str, str] | None = None) -> None:
+    def fail(self, prop: str, detail: str, pending: dict[str, str] | None = None) -> NoReturn:
         history = self.played.texts + ([pending] if pending is not None else [])
         raise EnvCheckError(self.name, prop, detail, self.played.kernel, self.played.episode_seed, history)
 
@@ -305,7 +307,7 @@ def check_episode(
     """
     played = Played(kernel, episode_seed, observations={r: [] for r in env_class.roles})
     check = _Checker(env_class, played)
-    env = env_class()
+    played.env = env = env_class()
     check.call(f"reset({kernel.id}, {episode_seed})", env.reset, kernel, episode_seed)
     roles = list(env.roles)
     rewards = {r: 0.0 for r in roles}
@@ -382,7 +384,7 @@ def _check_pure_calls(
 ) -> dict[str, bool]:
     """validate and view for every role before a step: pure, well-formed, refusing non-acting roles.
     Returns validate's verdict on each acting role's text."""
-    before = copy.deepcopy(vars(env))
+    before = _snapshot(env, check)
     calls = [(role, text) for role in env.roles for text in ([texts[role]] if role in texts else []) + list(probes)]
     verdict = {}
     for role, text in calls:
@@ -405,11 +407,19 @@ def _check_pure_calls(
     for role in env.roles:
         view_text[role] |= set(_strings(check.call(f"view({role!r})", env.view, role, pending=texts)))
     if after_validate is not None:
-        check.fail("validate-pure", _culprit(env, check, calls, texts) or f"validate changed {after_validate}", texts)
+        check.fail("validate-pure", _culprit(env, check, calls) or f"validate changed {after_validate}", texts)
     changed = _diff(before, vars(env))
     if changed is not None:
         check.fail("view-pure", f"view changed {changed}", texts)
     return verdict
+
+
+def _snapshot(env: Env, check: _Checker) -> dict[str, Any]:
+    """A deep copy of the environment's state, to compare against after calls that must be pure."""
+    try:
+        return copy.deepcopy(vars(env))
+    except Exception as exc:
+        check.fail("validate-pure", f"the state cannot be copied to check purity ({exc!r}); keep it plain data")
 
 
 def _validate(env: Env, check: _Checker, role: str, text: str, texts: dict[str, str] | None) -> tuple[bool, str]:
@@ -425,10 +435,10 @@ def _validate(env: Env, check: _Checker, role: str, text: str, texts: dict[str, 
     return answer
 
 
-def _culprit(env: Env, check: _Checker, calls: list[tuple[str, str]], texts: dict[str, str]) -> str | None:
+def _culprit(env: Env, check: _Checker, calls: list[tuple[str, str]]) -> str | None:
     """Which validate call changed the state: replay the episode so far and repeat the calls one by one."""
     try:
-        fresh = _replay(type(env), check.played.kernel, check.played.episode_seed, check.played.texts)
+        fresh = _replay(type(env), check.played).env
         for role in fresh.acting_roles():
             fresh.observe(role)
         for role, text in calls:
@@ -447,7 +457,7 @@ def _check_end(
 ) -> Result:
     if check.call("acting_roles()", env.acting_roles):
         check.fail("termination", f"acting_roles() is {env.acting_roles()!r} after the end")
-    before = copy.deepcopy(vars(env))
+    before = _snapshot(env, check)
     for role in env.roles:
         for probe in PROBES:
             if _validate(env, check, role, probe, None)[0]:
@@ -541,46 +551,31 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-def _replay(env_class: type[Env], kernel: Kernel, episode_seed: int, texts: list[dict[str, str]]) -> Env:
-    """A fresh environment driven through ``texts``, observing as check_episode does."""
-    env = env_class()
-    env.reset(kernel, episode_seed)
-    for step in texts:
+def _replay(env_class: type[Env], played: Played) -> Played:
+    """The same texts again on a fresh environment, observing as check_episode does (no result yet)."""
+    again = Played(played.kernel, played.episode_seed, observations={r: [] for r in env_class.roles})
+    again.env = env = env_class()
+    env.reset(played.kernel, played.episode_seed)
+    for texts in played.texts:
         for role in env.acting_roles():
-            env.observe(role)
-        env.step(step)
-    return env
+            again.observations[role] += env.observe(role)
+        again.steps.append(env.step(texts))
+    return again
 
 
 def _check_replay(env_class: type[Env], played: Played) -> None:
     """The ``determinism`` property: the same texts again give the same observations, steps and result."""
-    again = Played(played.kernel, played.episode_seed, observations={r: [] for r in env_class.roles})
-    env = env_class()
-    env.reset(played.kernel, played.episode_seed)
-    for step in played.texts:
-        for role in env.acting_roles():
-            again.observations[role] += env.observe(role)
-        again.steps.append(env.step(step))
-    for role in env.roles:
-        again.observations[role] += env.observe(role)
-    diffs = [
-        what
-        for what, a, b in (
-            ("observations", played.observations, again.observations),
-            ("step results", played.steps, again.steps),
-            ("result", played.result, env.result()),
-        )
-        if a != b
-    ]
-    if diffs:
-        raise EnvCheckError(
-            env_class.name,
-            "determinism",
-            f"a replay of the same texts changed the {diffs[0]}",
-            played.kernel,
-            played.episode_seed,
-            played.texts,
-        )
+    again = _replay(env_class, played)
+    for role in env_class.roles:
+        again.observations[role] += again.env.observe(role)
+    for what, first, second in (
+        ("observations", played.observations, again.observations),
+        ("step results", played.steps, again.steps),
+        ("result", played.result, again.env.result()),
+    ):
+        if first != second:
+            detail = f"a replay of the same texts changed the {what}"
+            raise EnvCheckError(env_class.name, "determinism", detail, played.kernel, played.episode_seed, played.texts)
 
 
 def _diff(a: Any, b: Any, path: str = "env", depth: int = 0) -> str | None:
