@@ -1,8 +1,10 @@
 """The light layers stay light: the environments (every registered game, the kernels and the
-conformance checks) and the shared vocabulary import without torch."""
+conformance checks) and the shared vocabulary import without torch, and the kernels module does not
+import the environment registry that imports it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -36,3 +38,11 @@ def test_envs_and_types_import_no_torch():
     assert int(count) >= 9
     for module in ("repertory.envs.checks", "repertory.envs.deal_or_no_deal", "repertory.envs.alliance"):
         assert module in modules
+
+
+def test_kernels_do_not_import_the_registry():
+    # repertory.envs imports repertory.envs.kernels; an import back, even a lazy one, is a cycle.
+    tree = ast.parse((SOURCE / "repertory" / "envs" / "kernels.py").read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported and not [m for m in imported if m == "repertory.envs" or m.startswith("repertory.envs.")]
