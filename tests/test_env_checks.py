@@ -28,7 +28,7 @@ ROUND_GAME_STEPS = {"ipd": 10, "split-no-comm": 10, "trust-and-split": 30}
 
 
 def max_steps(name: str) -> int:
-    """The longest episode each game's rules allow."""
+    """The longest episode each game's rules allow (a new game that is no negotiation adds its bound above)."""
     cls = env_class(name)
     return cls.max_messages if issubclass(cls, Negotiation) else ROUND_GAME_STEPS[name]
 
