@@ -10,6 +10,7 @@ from conftest import play
 
 import repertory.envs as envs
 from repertory.envs import Env, make
+from repertory.envs.checks import check_env
 from repertory.envs.kernels import _load
 from repertory.envs.parsing import clean, last_tag
 from repertory.store import read_episodes, write_episodes
@@ -33,6 +34,11 @@ class GuessTheNumber(Env):
     @classmethod
     def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
         return {"secret": rng.randint(1, 10)}
+
+    @classmethod
+    def validate_kernel(cls, data: dict[str, Any]) -> list[str]:
+        secret = data.get("secret")
+        return [] if isinstance(secret, int) and 1 <= secret <= 10 else ["secret must be an integer from 1 to 10"]
 
     def system_prompt(self, role: str) -> str:
         if role == "keeper":
@@ -130,6 +136,14 @@ def test_custom_environment_invalid_guess_counts(registered, tmp_path):
     assert ep.result.roles["guesser"].n_invalid == 3
     assert ep.result.end_reason == "out_of_tries"
     assert [t.seat_id for t in ep.turns] == ["p0", "p1", "p0", "p1", "p0"]
+
+
+def test_custom_environment_passes_check_env():
+    # Its bots fit one seat each, so the lineup is given.
+    summary = check_env(GuessTheNumber, lineups=[("bisect", "hint")], max_steps=5)
+    assert (summary.env, summary.kernels, summary.episodes) == ("guess", 200, 10 + 50)
+    with pytest.raises(ValueError, match="lineup"):
+        check_env(GuessTheNumber, lineups=[("bisect",)])
 
 
 def test_generator_with_too_few_distinct_kernels_fails_clearly(monkeypatch):

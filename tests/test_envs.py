@@ -1,31 +1,28 @@
 """The three round-based environments of environments.md sections 2-4, checked against the spec.
 
 Every worked example is replayed with exact numbers; malformed actions get their defined
-consequence; ``validate`` is pure; arbitrary text never breaks an episode; rewards sum to the
-outcome; each role sees only what it may; kernels regenerate byte for byte; bots behave as
-specified.
+consequence; arbitrary (hypothesis-drawn) text never breaks an episode; each role sees only what it
+may; kernels follow the spec's draw order; bots behave as specified. The properties every game
+shares (validate is pure and agrees with step, rewards sum to the outcome, kernels regenerate byte
+for byte, ...) are checked by ``check_env`` in test_env_checks.py.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
-import json
 import random
 from collections.abc import Callable
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import repertory
 from repertory.agents import BotAgent, ScriptAgent
 from repertory.agents.resolve import make_agent
 from repertory.envs import env_class, env_names, load_kernels, make
-from repertory.envs.kernels import generate_kernels, kernel_file_text
+from repertory.envs.checks import check_episode
 from repertory.rollout import EpisodeSpec, run_episodes
 from repertory.types import Kernel, derive
 
@@ -35,6 +32,7 @@ ITEMS = ("hats", "books", "balls")
 HANDS = ("rock", "paper", "scissors")
 BEATS = {"rock": "scissors", "scissors": "paper", "paper": "rock"}
 TOL = 1e-9
+MAX_STEPS = {"ipd": 10, "split-no-comm": 10, "trust-and-split": 30}
 
 
 # --------------------------------------------------------------------------------------------
@@ -939,51 +937,9 @@ def test_tas_role_sees_only_own_hand(first):
 
 
 # ============================================================================================
-# validate is pure; invalid roles
+# roles that are not acting (validate's purity, kernels and the other properties every game
+# shares are checked by check_env in test_env_checks.py)
 # ============================================================================================
-
-PROBES = [
-    "",
-    "I choose A",
-    choose("A"),
-    choose("C"),
-    "<choose>B",
-    claim(1, 2, 3),
-    '<propose>{"hats": 11}</propose>',
-    keep(5),
-    keep(11),
-    "<propose>{}</propose>",
-    "<think>x</think>hello",
-    "<propose>" + "[" * 5000 + "</propose>",
-]
-
-
-def _snapshot(env) -> dict[str, Any]:
-    return copy.deepcopy(env.__dict__)
-
-
-@pytest.mark.parametrize("env_name", ENVS)
-def test_validate_is_pure(env_name):
-    env = make(env_name)
-    kernel = load_kernels(env_name, "train")[0]
-    env.reset(kernel, 5)
-    policies: dict[str, Policy] = {r: bot(env_name, next(iter(env.bots))) for r in NAMES}
-    steps = 0
-    while not env.done:
-        before = _snapshot(env)
-        for role in NAMES:
-            for probe in PROBES:
-                ok, reason = env.validate(role, probe)
-                assert isinstance(ok, bool) and isinstance(reason, str)
-                if role not in env.acting_roles():
-                    assert not ok and reason
-        assert _snapshot(env) == before
-        env.step({r: policies[r](env, r) for r in env.acting_roles()})
-        steps += 1
-    before = _snapshot(env)
-    for role in NAMES:
-        assert not env.validate(role, choose("A"))[0]
-    assert _snapshot(env) == before
 
 
 def test_validate_false_for_non_acting_role_in_tas():
@@ -1059,101 +1015,18 @@ seat_text = st.one_of(st.text(max_size=60), fragment_text, valid_ish)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(env_name=st.sampled_from(ENVS), index=st.integers(0, 99), episode_seed=st.integers(0, 2**63), data=st.data())
 def test_arbitrary_text_never_breaks_an_episode(env_name, index, episode_seed, data):
-    env = make(env_name)
+    """check_env's per-episode checks on hypothesis-drawn text, which hypothesis shrinks on failure."""
     kernel = load_kernels(env_name, data.draw(st.sampled_from(["train", "heldout"])))[index]
-    env.reset(kernel, episode_seed)
-    rewards = {r: 0.0 for r in NAMES}
-    invalid = {r: 0 for r in NAMES}
-    steps = 0
-    while not env.done:
-        acting = env.acting_roles()
-        assert acting
-        texts = {}
-        for role in acting:
-            env.observe(role)
-            texts[role] = data.draw(seat_text)
-        predicted = {r: env.validate(r, t)[0] for r, t in texts.items()}
-        result = env.step(texts)
-        for role in acting:
-            assert predicted[role] == (not result.parsed[role].invalid)
-            invalid[role] += result.parsed[role].invalid
-        for role, reward in result.rewards.items():
-            rewards[role] += reward
-        steps += 1
-        assert steps <= 30
-    assert env.acting_roles() == []
-    res = env.result()
-    for role in NAMES:
-        rr = res.roles[role]
-        assert 0.0 <= rr.outcome <= 1.0
-        assert rr.n_invalid == invalid[role] <= rr.n_turns
-        assert rewards[role] == pytest.approx(rr.outcome, abs=TOL)
-    json.dumps(env.metrics())
-    with pytest.raises(RuntimeError):
-        env.step({})
 
+    def policy(env, role):
+        return data.draw(seat_text)
 
-@pytest.mark.parametrize("env_name", ENVS)
-@pytest.mark.parametrize("bot_a,bot_b", [(0, 0), (0, -1), (-1, 0), (-1, -1)])
-def test_bot_rollouts_rewards_sum_to_outcome(env_name, bot_a, bot_b):
-    cls = env_class(env_name)
-    names = list(cls.bots)
-    specs = [
-        EpisodeSpec(
-            f"e{i}",
-            env_name,
-            k,
-            derive("t", i),
-            [make_agent(names[bot_a], cls), make_agent(names[bot_b], cls)],
-        )
-        for i, k in enumerate(load_kernels(env_name, "heldout")[:5])
-    ]
-    for ep in run_episodes(specs, max_concurrent=3):
-        for seat, name in (("p0", "Alice"), ("p1", "Bob")):
-            assert ep.total_reward(seat) == pytest.approx(ep.result.roles[name].outcome, abs=TOL)
-            assert ep.result.roles[name].n_invalid == 0  # bots emit well-formed tags
-            assert 0 <= ep.result.roles[name].outcome <= 1
+    check_episode(env_class(env_name), kernel, episode_seed, policy, max_steps=MAX_STEPS[env_name])
 
 
 # ============================================================================================
 # kernels
 # ============================================================================================
-
-KERNEL_ROOT = Path(repertory.__file__).parent / "kernels"
-
-
-@pytest.fixture(scope="module")
-def generated() -> dict[str, dict[str, list[Kernel]]]:
-    return {name: generate_kernels(env_class(name)) for name in ENVS}
-
-
-@pytest.mark.parametrize("env_name", ENVS)
-@pytest.mark.parametrize("split", ["train", "heldout"])
-def test_kernels_regenerate_byte_for_byte(generated, env_name, split):
-    shipped = (KERNEL_ROOT / env_name / f"{split}.jsonl").read_bytes()
-    assert kernel_file_text(generated[env_name][split]).encode("utf-8") == shipped
-    lines = shipped.decode("utf-8").splitlines()
-    assert len(lines) == 100
-    for i, line in enumerate(lines):
-        record = json.loads(line)
-        assert record["id"] == f"{env_name}/{split}/{i:03d}"
-        assert line == json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-@pytest.mark.parametrize("env_name", ENVS)
-def test_shipped_kernels_valid_and_seeded(env_name):
-    cls = env_class(env_name)
-    for split in ("train", "heldout"):
-        kernels = load_kernels(env_name, split)
-        assert len(kernels) == 100
-        for i, k in enumerate(kernels):
-            assert k.id == f"{env_name}/{split}/{i:03d}" and k.index == i and k.split == split and k.env == env_name
-            assert cls.validate_kernel(k.data) == []
-            allowed = {derive("repertory", env_name, split, i)} | {
-                derive("repertory", env_name, split, i, "retry", r) for r in range(1, 6)
-            }
-            assert k.seed in allowed
-            assert cls.generate_kernel(random.Random(k.seed)) == k.data
 
 
 def test_ipd_kernels_are_all_the_same_game():
@@ -1161,13 +1034,6 @@ def test_ipd_kernels_are_all_the_same_game():
         for i, k in enumerate(load_kernels("ipd", split)):
             assert k.data == {"names": ["Alice", "Bob"], "n_rounds": 10}
             assert k.seed == derive("repertory", "ipd", split, i)
-
-
-@pytest.mark.parametrize("env_name", ["split-no-comm", "trust-and-split"])
-def test_non_ipd_kernels_unique(env_name):
-    contents = [json.dumps(k.data, sort_keys=True) for s in ("train", "heldout") for k in load_kernels(env_name, s)]
-    assert len(contents) == 200
-    assert len(set(contents)) == 200
 
 
 def test_snc_kernel_rounds_in_valid_configurations():
@@ -1224,12 +1090,6 @@ def test_kernels_match_independent_spec_generation(env_name, draw):
             else:
                 got = (k.data["first_speaker"], tuple((h["Alice"], h["Bob"]) for h in k.data["hands"]))
                 assert got == content
-
-
-def test_kernel_json_roundtrip():
-    for name in ENVS:
-        k = load_kernels(name, "heldout")[17]
-        assert Kernel.from_json(k.to_json()) == k
 
 
 def test_reset_rejects_foreign_or_broken_kernel():

@@ -2,7 +2,8 @@
 
 ``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is available;
 ``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split. Built-in
-games are imported on first use, so loading one game never imports the others.
+games are imported on first use, so loading one game never imports the others. A new game checks
+itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from importlib import import_module
 
 from repertory.envs.base import Bot, Env, RoundGame
-from repertory.envs.kernels import generate_kernels, load_kernels, write_kernels
-from repertory.types import RepertoryError
+from repertory.envs.kernels import generate_kernels, kernels_of, write_kernels
+from repertory.types import Kernel, RepertoryError
 
 _BUILTIN: dict[str, str] = {
     "ipd": "ipd:IteratedPrisonersDilemma",
@@ -60,6 +61,12 @@ def env_class(name: str) -> type[Env]:
 def make(name: str) -> Env:
     """A fresh instance of the environment registered as ``name``."""
     return env_class(name)()
+
+
+def load_kernels(name: str, split: str) -> list[Kernel]:
+    """The kernels of one split of the environment registered as ``name``, in index order: the
+    shipped file, or (for an environment that ships none) the deterministic generation."""
+    return kernels_of(env_class(name), split)
 
 
 __all__ = [

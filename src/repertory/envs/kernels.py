@@ -5,6 +5,9 @@ train kernels are generated before held-out ones, and a kernel whose game conten
 earlier one is redrawn with ``derive("repertory", e, s, i, "retry", r)`` (environments.md 1.5).
 The shipped ``kernels/<env>/{train,heldout}.jsonl`` files are authoritative; a test regenerates
 them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
+
+This module sits below the environment registry: every function takes the environment class, so
+``repertory.envs`` (which resolves names to classes) imports it and never the other way round.
 """
 
 from __future__ import annotations
@@ -13,18 +16,32 @@ import random
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from repertory.types import SPLITS, Kernel, RepertoryError, canonical_json, derive
 
 if TYPE_CHECKING:
-    from repertory.envs.base import Env
+    from importlib.resources.abc import Traversable
+
+
+class KernelSource(Protocol):
+    """What kernels need of an environment class (every ``Env`` subclass is one)."""
+
+    name: str
+    unique_kernels: bool
+
+    @classmethod
+    def generate_kernel(cls, rng: random.Random) -> dict[str, Any]: ...
+
+    @classmethod
+    def validate_kernel(cls, data: dict[str, Any]) -> list[str]: ...
+
 
 KERNELS_PER_SPLIT = 100
 MAX_RETRIES = 1000
 
 
-def generate_kernels(env: type[Env], n: int = KERNELS_PER_SPLIT) -> dict[str, list[Kernel]]:
+def generate_kernels(env: type[KernelSource], n: int = KERNELS_PER_SPLIT) -> dict[str, list[Kernel]]:
     """Both splits of ``env``, ``n`` kernels each, with the uniqueness retries of 1.5."""
     seen: set[str] = set()
     out: dict[str, list[Kernel]] = {}
@@ -56,7 +73,7 @@ def kernel_file_text(kernels: list[Kernel]) -> str:
     return "".join(k.to_json() + "\n" for k in kernels)
 
 
-def write_kernels(env: type[Env], root: Path) -> list[Path]:
+def write_kernels(env: type[KernelSource], root: Path) -> list[Path]:
     """Write ``root/<env>/{train,heldout}.jsonl`` for ``env``; returns the paths written."""
     paths = []
     for split, kernels in generate_kernels(env).items():
@@ -67,14 +84,16 @@ def write_kernels(env: type[Env], root: Path) -> list[Path]:
     return paths
 
 
-@cache
-def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
-    from repertory.envs import env_class
+def shipped_file(env_name: str, split: str) -> Traversable:
+    """Where the package ships ``env_name``'s kernels of ``split`` (the file may not exist)."""
+    return resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
 
+
+@cache
+def _load(env: type[KernelSource], split: str) -> tuple[Kernel, ...]:
     if split not in SPLITS:
         raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    env = env_class(env_name)
-    resource = resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
+    resource = shipped_file(env.name, split)
     if not resource.is_file():
         return tuple(generate_kernels(env)[split])
     kernels = tuple(
@@ -87,7 +106,7 @@ def _load(env_name: str, split: str) -> tuple[Kernel, ...]:
     return kernels
 
 
-def load_kernels(env_name: str, split: str) -> list[Kernel]:
-    """The kernels of one split in index order: the shipped file, or (for an environment that ships
-    none, such as one registered by a user) the deterministic generation of 1.5."""
-    return list(_load(env_name, split))
+def kernels_of(env: type[KernelSource], split: str) -> list[Kernel]:
+    """The kernels of one split of ``env`` in index order: the shipped file, or (for an environment
+    that ships none, such as one registered by a user) the deterministic generation of 1.5."""
+    return list(_load(env, split))
