@@ -1,6 +1,7 @@
-"""The light layers stay light: the environments (every registered game, the kernels and the
-conformance checks) and the shared vocabulary import without torch, and the kernels module does not
-import the environment registry that imports it."""
+"""The layers stay layered and the light ones light: the environments (every registered game, the kernels
+and the conformance checks), the vocabulary, the statistics, the estimators, the config, the results table and
+the command line import without torch; ``repertory report --table`` runs without it; and no module takes part
+in an import cycle."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import repertory
 
@@ -46,3 +49,72 @@ def test_kernels_do_not_import_the_registry():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert imported and not [m for m in imported if m == "repertory.envs" or m.startswith("repertory.envs.")]
+
+
+LIGHT = """
+import json, sys, tempfile
+from pathlib import Path
+import repertory.algos, repertory.config, repertory.report, repertory.runs, repertory.stats, repertory.types
+from repertory.cli import main
+from repertory.config import dump_config, load_config
+from repertory.stats import mean_se
+assert mean_se([1.0, 3.0]) == (2.0, 1.0)
+root = Path(tempfile.mkdtemp())
+for seed, best in ((0, 0.5), (1, 0.7)):
+    run = root / f"igrpo-{seed}"
+    run.mkdir()
+    config = load_config(None, ["rollout.env=ultimatum", "rollout.opponent=bot", f"seed={seed}", "trainer=rounds"])
+    (run / "config.yaml").write_text(dump_config(config))
+    lines = [{"iteration": 0, "eval/discounted_return": 0.1}, {"iteration": 1, "eval/discounted_return": best}]
+    lines[-1]["final/discounted_return"] = 0.2
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\\n" for line in lines))
+main(["report", "--table", str(root / "igrpo-0"), str(root / "igrpo-1")])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "peft"))
+assert not heavy, heavy[:5]
+"""
+
+
+def test_statistics_config_results_table_and_cli_need_no_torch():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", LIGHT], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "0.60 ± .10" in run.stdout  # the table itself: best J 0.5 and 0.7 over two seeds
+
+
+def _cycles(graph) -> list[list[str]]:
+    """Strongly connected components of more than one module in the direct-import graph (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_takes_part_in_an_import_cycle():
+    grimp = pytest.importorskip("grimp")  # installed with import-linter, which make test runs
+    graph = grimp.build_graph("repertory")
+    assert len(graph.modules) > 50
+    assert _cycles(graph) == []

@@ -156,7 +156,7 @@ class PoolConfig(_Section):
 
 
 class QConfig(_Section):
-    """The step-level Q-function of I-GRPO (algorithms.md 5.4): a scalar head on the last hidden state of
+    """The step-level Q-function of I-GRPO (docs/algorithms.md 5.4): a scalar head on the last hidden state of
     [history; response], its own LoRA on a copy of the initial policy's backbone (or on another model)."""
 
     model: str | None = Field(
@@ -180,7 +180,7 @@ class QConfig(_Section):
 
 
 class ArcherConfig(_Section):
-    """The critic of archer / archer-lc (algorithms.md 6.4, 6.5): double Q and V heads on last-token features,
+    """The critic of archer / archer-lc (docs/algorithms.md 6.4, 6.5): double Q and V heads on last-token features,
     soft-updated target copies, a replay buffer of every round's turns. The actor's learning rate is algo.lr."""
 
     tau: float = Field(0.1, gt=0, le=1, description="Soft update of the target critic after every critic step.")
@@ -189,7 +189,7 @@ class ArcherConfig(_Section):
 
 
 class RoundsConfig(_Section):
-    """Batch-online training (algorithms.md 5-6; ``trainer: rounds``). Each iteration is one deployment round:
+    """Batch-online training (docs/algorithms.md 5-6; ``trainer: rounds``). Each iteration is one deployment round:
     the policy plays ``rollout.opponent`` (the partner) on ``rollout.kernels_per_iteration`` train kernels x
     ``rollout.episodes_per_kernel`` conversations, the conversations are logged, the policy is improved offline
     on that log with ``method`` (no game is played while improving), and evaluated on held-out kernels."""
@@ -283,7 +283,7 @@ class WarmStartConfig(_Section):
 
 class SuiteConfig(_Section):
     """A grid of runs (a recipe file whose top-level key is ``suite``): every method x environment x seed starts
-    from ``recipe`` with ``set`` applied, then the table of algorithms.md 5.7 is built from the runs."""
+    from ``recipe`` with ``set`` applied, then the table of docs/algorithms.md 5.7 is built from the runs."""
 
     recipe: str = Field(description="The recipe every run starts from (a shipped name or a file).")
     methods: list[str] = Field(min_length=1, description="Values of rounds.method, one run each.")

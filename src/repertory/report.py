@@ -121,7 +121,7 @@ def write_matrix_figure(
     return path
 
 
-# The results table of batch-online runs (algorithms.md 5.7)
+# The results table of batch-online runs (docs/algorithms.md 5.7)
 
 TABLE_METRIC = "discounted_return"
 

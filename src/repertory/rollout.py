@@ -55,7 +55,7 @@ class _Running:
         self.tick = 0
 
     def guarded(self, role: str) -> bool:
-        """Whether the partner guard (environments.md 1.6) watches this role's seat."""
+        """Whether the partner guard (docs/environments.md 1.6) watches this role's seat."""
         seat = self.env.seat_index(role)
         return bool(self.spec.guarded) and self.spec.guarded[seat]
 
@@ -176,7 +176,7 @@ def run_episodes(
 
 
 def guarded_seats(env: type[Env], agents: list[Agent], trained_seat: int) -> list[bool]:
-    """The seats the partner guard watches (environments.md 1.6): in games with a private limit to
+    """The seats the partner guard watches (docs/environments.md 1.6): in games with a private limit to
     protect, every seat but the trained one that a model fills; never a bot, script or person."""
     if not env.guarded_limit:
         return []

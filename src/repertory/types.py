@@ -19,7 +19,7 @@ SPLITS: tuple[str, ...] = ("train", "heldout")
 
 
 def derive(*parts: object) -> int:
-    """Deterministic 64-bit seed from any parts (environments.md 1.5)."""
+    """Deterministic 64-bit seed from any parts (docs/environments.md 1.5)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()
     return int(digest[:16], 16)
 
@@ -118,7 +118,7 @@ class Result:
 
 @dataclass
 class Seat:
-    """A role filled by a player in one episode (algorithms.md 1.1).
+    """A role filled by a player in one episode (docs/algorithms.md 1.1).
 
     ``seat_id`` is positional ("p0", "p1", ...); ``name`` is the display name the environment
     uses (Alice, vendor); ``role`` is the game-role label trainers group by; ``agent`` is the

@@ -129,19 +129,19 @@ def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
     backend.reset_cache()
 
 
-def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer):
+@pytest.mark.parametrize("kind", ENGINES)
+def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     """After the learner changes the weights, ``sync`` leaves nothing stale: the engine samples as a fresh one."""
-    for kind in ENGINES:
-        loaded = tiny_model(tokenizer, layers=2, hidden=64, seed=4)
-        backend = make_backend(kind, loaded)
-        prompt = tokenizer.encode("Round 1 of 10. " * 4)
-        params = SamplingParams(max_new_tokens=8)
-        backend.generate([prompt], params, [5], cache_keys=["seat"])
-        with torch.no_grad():
-            for p in loaded.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        backend.sync(loaded.model)
-        after = backend.generate([prompt + [13]], params, [6], cache_keys=["seat"])[0]
-        fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
-        assert after.token_ids == fresh.token_ids and largest_gap(after.logprobs, fresh.logprobs) < TOL
-        backend.close()
+    loaded = tiny_model(tokenizer, layers=2, hidden=64, seed=4)
+    backend = make_backend(kind, loaded)
+    prompt = tokenizer.encode("Round 1 of 10. " * 4)
+    params = SamplingParams(max_new_tokens=8)
+    backend.generate([prompt], params, [5], cache_keys=["seat"])
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    backend.sync(loaded.model)
+    after = backend.generate([prompt + [13]], params, [6], cache_keys=["seat"])[0]
+    fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
+    assert after.token_ids == fresh.token_ids and largest_gap(after.logprobs, fresh.logprobs) < TOL
+    backend.close()

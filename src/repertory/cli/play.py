@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -13,11 +14,12 @@ from rich.text import Text
 from repertory.agents import agent_names
 from repertory.cli.common import MODEL_HELP, SEAT_STYLES, agents_for, check_run_options, lm_options, out
 from repertory.envs import env_class, env_names
-from repertory.eval import summarize
-from repertory.eval.crossplay import CrossPlay, crossplay
 from repertory.rollout import guarded_seats, run_episodes, schedule
 from repertory.store import EpisodeStore
 from repertory.types import Episode, RepertoryError
+
+if TYPE_CHECKING:
+    from repertory.eval.crossplay import CrossPlay
 
 
 def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table.")) -> None:
@@ -84,6 +86,8 @@ def _print_transcript(ep: Episode, full: bool) -> None:
 
 
 def _print_summary(episodes: list[Episode]) -> None:
+    from repertory.eval import summarize  # the evaluation layer loads model code; bot games need none
+
     stats = summarize(episodes)
     table = Table(title=f"{episodes[0].env}: {len(episodes)} episode(s)")
     for column in ("seat", "agent", "points (mean ± se)", "outcome (mean ± se)", "invalid rate"):
@@ -202,6 +206,8 @@ def tournament(
     store = EpisodeStore(out_dir) if out_dir else None
     for name in names:
         specs = [s.strip() for s in agents.split(",")] if agents else list(env_class(name).bots)
+        from repertory.eval.crossplay import crossplay
+
         result = crossplay(name, agents_for(name, specs), episodes, seed, split)
         if as_json:
             print(json.dumps(result.to_json()))

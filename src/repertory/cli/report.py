@@ -20,7 +20,7 @@ def report(
     out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
 ) -> None:
     """Redraw a run's learning curves into RUN/report, or (--table) the held-out expected discounted return of
-    methods x environments, mean ± standard error over seeds (algorithms.md 5.7)."""
+    methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
     from repertory.report import results_table, write_report
 
     if not table:

@@ -1,4 +1,4 @@
-"""Alliance (environments.md 10): a University and a Company settle five project issues, each side
+"""Alliance (docs/environments.md 10): a University and a Company settle five project issues, each side
 with a private score table and a private minimum acceptable score."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The environment interface and the bookkeeping every environment shares.
 
-An environment is a text game with a referee (environments.md 1.1): it shows each role only what
+An environment is a text game with a referee (docs/environments.md 1.1): it shows each role only what
 that role may see, parses the tag syntax out of free text, never raises on bad output, and scores
 the game. Round-based social dilemmas share :class:`RoundGame`, which runs simultaneous moves,
 proportional splits, feedback to the next round and per-round rewards ``points / Z``.
@@ -55,7 +55,7 @@ class Env(ABC):
     @classmethod
     @abstractmethod
     def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
-        """The data fields of one kernel, drawn from ``rng`` in the order environments.md gives."""
+        """The data fields of one kernel, drawn from ``rng`` in the order docs/environments.md gives."""
 
     @classmethod
     def validate_kernel(cls, data: dict[str, Any]) -> list[str]:
@@ -121,7 +121,7 @@ class Env(ABC):
         return 0
 
     def max_chars(self, role: str) -> int:
-        """How much of ``role``'s visible text counts now; the rest is cut (environments.md 1.2)."""
+        """How much of ``role``'s visible text counts now; the rest is cut (docs/environments.md 1.2)."""
         return DEFAULT_MAX_CHARS
 
     def action_choices(self, role: str) -> list[str] | None:
@@ -130,7 +130,7 @@ class Env(ABC):
         return None
 
     def guard(self, role: str, text: str) -> str | None:
-        """The partner guard (environments.md 1.6): None when ``text`` keeps ``role`` within its private
+        """The partner guard (docs/environments.md 1.6): None when ``text`` keeps ``role`` within its private
         limits, else the text with the offending tags deleted. Games without hard limits never object."""
         return None
 

@@ -1,4 +1,4 @@
-"""CaSiNo campsite negotiation (environments.md 8): divide food, water and firewood packages with
+"""CaSiNo campsite negotiation (docs/environments.md 8): divide food, water and firewood packages with
 private high/medium/low priorities; walking away gives both sides 5 points, a timeout nothing."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Conformance checks for environment authors: ``check_env(MyEnv)``, as PettingZoo ships ``api_test``.
 
-``check_env`` checks the properties of environments.md 1 that every game must have, whatever its
+``check_env`` checks the properties of docs/environments.md 1 that every game must have, whatever its
 turn order (simultaneous rounds, alternating messages, phases in which any subset of seats acts):
 its kernels, ``validate`` against ``step``, robustness to arbitrary text, reward bookkeeping and
 privacy. It plays the class's own bots and fuzzed text (:mod:`repertory.envs.fuzz`) and raises
@@ -223,7 +223,7 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             if env_class.generate_kernel(random.Random(k.seed)) != k.data:
                 fail(f"kernel {k.id}: generate_kernel(Random(seed)) does not give its data")
         out[split] = kernels
-    # The seed is the first draw whose content is new (environments.md 1.5; train before held-out).
+    # The seed is the first draw whose content is new (docs/environments.md 1.5; train before held-out).
     seen: dict[str, str] = {}
     for k in out["train"] + out["heldout"]:
         retry = next((r for r in range(MAX_RETRIES + 1) if k.seed == _seed(name, k.split, k.index, r)), None)

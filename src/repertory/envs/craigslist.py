@@ -1,4 +1,4 @@
-"""Craigslist bargaining (environments.md 5): a vendor and a customer haggle over one listing's price."""
+"""Craigslist bargaining (docs/environments.md 5): a vendor and a customer haggle over one listing's price."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deal or No Deal (environments.md 7): divide books, hats and balls with private item values."""
+"""Deal or No Deal (docs/environments.md 7): divide books, hats and balls with private item values."""
 
 from __future__ import annotations
 

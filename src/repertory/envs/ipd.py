@@ -1,4 +1,4 @@
-"""Iterated Prisoner's Dilemma (environments.md 2): 10 simultaneous rounds of A (cooperate) or B."""
+"""Iterated Prisoner's Dilemma (docs/environments.md 2): 10 simultaneous rounds of A (cooperate) or B."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Job Interview (environments.md 9): a recruiter and a worker negotiate salary, weekly holidays,
+"""Job Interview (docs/environments.md 9): a recruiter and a worker negotiate salary, weekly holidays,
 workplace, company and position at once; each scores a contract with private weights and tables."""
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ NAMED = {"workplace": WORKPLACES, "company": COMPANIES, "position": POSITIONS}
 WEIGHT_RANGE = (0.1, 0.6)
 TOL = 1e-9
 START, STEP, FLOOR = Fraction("0.90"), Fraction("0.08"), Fraction("0.50")
-"""The aspiration bot's parameters (environments.md 9)."""
+"""The aspiration bot's parameters (docs/environments.md 9)."""
 
 
 def minmax(values: list[float]) -> list[float]:
-    """environments.md 1.5: (v - min)/(max - min); all entries 0.5 when they are equal."""
+    """docs/environments.md 1.5: (v - min)/(max - min); all entries 0.5 when they are equal."""
     low, high = min(values), max(values)
     if low == high:
         return [0.5 for _ in values]
@@ -65,7 +65,7 @@ def score(
     salary: int,
     holidays: int,
 ) -> float:
-    """The JI score of a contract, float64 evaluated left to right as environments.md 9 writes it."""
+    """The JI score of a contract, float64 evaluated left to right as docs/environments.md 9 writes it."""
     w_sal, w_hol, w_wp, w_co, w_pos = weights
     return (
         salary_term(recruiter, w_sal, salary)

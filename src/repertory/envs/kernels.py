@@ -2,7 +2,7 @@
 
 Kernel i of split s of environment e is drawn with ``random.Random(derive("repertory", e, s, i))``;
 train kernels are generated before held-out ones, and a kernel whose game content repeats an
-earlier one is redrawn with ``derive("repertory", e, s, i, "retry", r)`` (environments.md 1.5).
+earlier one is redrawn with ``derive("repertory", e, s, i, "retry", r)`` (docs/environments.md 1.5).
 The shipped ``kernels/<env>/{train,heldout}.jsonl`` files are authoritative; a test regenerates
 them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
 

@@ -1,4 +1,4 @@
-"""Alternating two-party negotiations (environments.md 5-10): the machinery all six share.
+"""Alternating two-party negotiations (docs/environments.md 5-10): the machinery all six share.
 
 A :class:`Negotiation` is a conversation of at most ``max_messages`` alternating messages, the
 first seat opening. A message is free text; its last action tag (``<propose>``, ``<accept/>``,
@@ -10,7 +10,7 @@ One terminal reward equal to the outcome lands at the end.
 A game subclass supplies only what is particular to it: the kernel, the prompts, how a proposal
 payload parses (:meth:`Negotiation.parse_offer`), what a deal is worth to each side
 (:meth:`Negotiation.deal_points`), its normaliser, and optionally a private limit the partner
-guard protects (:meth:`Negotiation.below_limit`). The aspiration bot of environments.md 1.6 is
+guard protects (:meth:`Negotiation.below_limit`). The aspiration bot of docs/environments.md 1.6 is
 :func:`aspiration_reply`, fed each game's enumeration of complete outcomes.
 """
 
@@ -36,7 +36,7 @@ NEGOTIATION_TAGS = frozenset({"accept", "reject", "walkaway"})
 
 
 def rnd(x: Fraction | int) -> int:
-    """environments.md 1.5: floor(x + 1/2), exact."""
+    """docs/environments.md 1.5: floor(x + 1/2), exact."""
     return math.floor(Fraction(x) + Fraction(1, 2))
 
 
@@ -80,7 +80,7 @@ class Negotiation(Env):
 
     @abstractmethod
     def max_points(self, role: str) -> Fraction | float:
-        """The normaliser: outcome = clip(points / max_points, 0, 1) (environments.md 5-10)."""
+        """The normaliser: outcome = clip(points / max_points, 0, 1) (docs/environments.md 5-10)."""
 
     @abstractmethod
     def describe(self, deal: Standing, viewer: str) -> str:
@@ -309,7 +309,7 @@ def aspiration_reply(
     floor: Fraction,
     walkaway_value: int = 0,
 ) -> str:
-    """The aspiration bot's message (environments.md 1.6) for the turn described by ``view``."""
+    """The aspiration bot's message (docs/environments.md 1.6) for the turn described by ``view``."""
     a_k = aspiration(start, step, floor, view["own_turn"])
     standing = view["standing"]
     if standing is not None and not standing["own"] and standing_value(standing) >= a_k:

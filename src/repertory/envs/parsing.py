@@ -1,4 +1,4 @@
-"""The one tag convention of every environment (environments.md 1.2).
+"""The one tag convention of every environment (docs/environments.md 1.2).
 
 Models write free text; actions are XML-like tags inside it. These functions never raise on any
 input string: a malformed tag is reported as such and the environment decides its consequence.

@@ -1,4 +1,4 @@
-"""Split No-Comm (environments.md 3): divide 10 hats, books and balls per round, no messages."""
+"""Split No-Comm (docs/environments.md 3): divide 10 hats, books and balls per round, no messages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trust-and-Split (environments.md 4): talk about private hands, then split 10 coins simultaneously."""
+"""Trust-and-Split (docs/environments.md 4): talk about private hands, then split 10 coins simultaneously."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ultimatum with counter-offers (environments.md 6): divide a pool; a rejection destroys it."""
+"""Ultimatum with counter-offers (docs/environments.md 6): divide a pool; a rejection destroys it."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ every round game reports (in Split No-Comm it is the split efficiency)."""
 
 @dataclass
 class Ratings:
-    """Bradley-Terry ratings (algorithms.md 8.2): ``R = 1000 + 400 log10(pi / pi_anchor)`` within each
+    """Bradley-Terry ratings (docs/algorithms.md 8.2): ``R = 1000 + 400 log10(pi / pi_anchor)`` within each
     connected component of the played pairs; ``anchors[c]`` is the member of component c rated 1000.
     ``games`` and ``score`` count the rated games (self-play and virtual draws excluded)."""
 
@@ -315,7 +315,7 @@ def ipd_moves(episode: Episode, seat: int) -> tuple[str, str]:
 
 
 def agent_metrics(result: CrossPlay, agent: str) -> dict[str, float]:
-    """Cooperation metrics of ``agent`` (algorithms.md 8.4) over all its games, in either seat: its mean
+    """Cooperation metrics of ``agent`` (docs/algorithms.md 8.4) over all its games, in either seat: its mean
     points and its partners', each per-role metric ``key/<role>`` of the seats it played (cooperation or
     honesty rate) as ``key``, and the game metrics (mutual cooperation, collective payoff, split
     efficiency) averaged over its games, a self-play game counted once."""
@@ -348,7 +348,7 @@ def agent_metrics(result: CrossPlay, agent: str) -> dict[str, float]:
 
 @dataclass
 class CrossPlayReport:
-    """The game-theoretic summary of a cross-play (algorithms.md 8.2, 8.4).
+    """The game-theoretic summary of a cross-play (docs/algorithms.md 8.2, 8.4).
 
     ``outcome`` is M: a's mean normalised outcome against b over both seat orders (a first in cell
     (a, b), second in cell (b, a); the diagonal is self-play, both seats); ``welfare`` is W, the mean

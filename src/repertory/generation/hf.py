@@ -4,7 +4,7 @@ One call samples continuations for many prompts of different lengths at once: pr
 left-padded into one batch, encoded in one forward pass, then decoded token by token with a KV
 cache; rows that finish are dropped from the batch so the rest run on. For every sampled token it
 records ``log softmax(logits / T)[token]`` over the full vocabulary — the quantity the learner
-recomputes (algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
+recomputes (docs/algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
 
 Prefix reuse: a caller may name each row with a cache key (the LM agent uses episode and seat).
 After a row finishes, its keys and values are kept; when the same key comes back with a prompt

@@ -343,7 +343,7 @@ class Learner:
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
         if len(self.optimizer.param_groups) > 1:
-            # actor and critic are clipped separately, as separate optimisers would (algorithms.md 2.7)
+            # actor and critic are clipped separately, as separate optimisers would (docs/algorithms.md 2.7)
             sums["critic_grad_norm"] = float(
                 torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[1]["params"], algo.grad_clip)
             )
