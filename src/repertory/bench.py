@@ -21,7 +21,6 @@ candidate. The limit converts the matmul throughput with 10 x parameters FLOPs p
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +29,10 @@ import torch
 
 from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
-from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation import SamplingParams
 from repertory.generation.hf import HFBackend
-from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.system import matmul_flops, peak_rss_mb
-from repertory.train.batch import Batch, collect, single_turn_batch
-from repertory.train.learner import Learner
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, derive
 
 
@@ -200,6 +195,14 @@ def synthetic_episodes(config: TrainBenchConfig, vocab: int) -> list[Episode]:
 
 def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
+    import copy
+
+    # The learner stack (peft, the trainers) is loaded only by the benchmarks that time it, so the rollout
+    # benchmark's process holds what a rollout needs and its numbers measure the engine alone.
+    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+    from repertory.train.batch import collect
+    from repertory.train.learner import Learner
+
     algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
     limit_flops = matmul_flops(config.matmul_seconds)
     n_params = loaded.n_params
@@ -253,6 +256,13 @@ class CandidatesBenchConfig:
 
 def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str, Any]:
     """Time the I-GRPO policy step with shared-prompt trees and with one sequence per candidate."""
+    import copy
+
+    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+    from repertory.models.packing import PackedSequence
+    from repertory.train.batch import Batch, single_turn_batch
+    from repertory.train.learner import Learner
+
     rng = torch.Generator().manual_seed(config.seed)
     vocab = loaded.model.config.vocab_size
     prompts, responses = [], []
