@@ -21,6 +21,7 @@ candidate. The limit converts the matmul throughput with 10 x parameters FLOPs p
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,10 @@ import torch
 
 from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
+from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation import SamplingParams
 from repertory.generation.hf import HFBackend
+from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.system import matmul_flops, peak_rss_mb
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, derive
@@ -195,11 +198,8 @@ def synthetic_episodes(config: TrainBenchConfig, vocab: int) -> list[Episode]:
 
 def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
-    import copy
-
     # The learner stack (peft, the trainers) is loaded only by the benchmarks that time it, so the rollout
     # benchmark's process holds what a rollout needs and its numbers measure the engine alone.
-    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
     from repertory.train.batch import collect
     from repertory.train.learner import Learner
 
@@ -256,10 +256,6 @@ class CandidatesBenchConfig:
 
 def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str, Any]:
     """Time the I-GRPO policy step with shared-prompt trees and with one sequence per candidate."""
-    import copy
-
-    from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-    from repertory.models.packing import PackedSequence
     from repertory.train.batch import Batch, single_turn_batch
     from repertory.train.learner import Learner
 

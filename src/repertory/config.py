@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from repertory.algos import EstimatorParams
 from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
+from repertory.envs import env_class, env_names
 from repertory.types import RepertoryError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -69,8 +70,6 @@ class RolloutConfig(_Section):
     @field_validator("env")
     @classmethod
     def _known_env(cls, env: str) -> str:
-        from repertory.envs import env_names
-
         if env not in env_names():
             raise ValueError(f"unknown environment {env!r}; allowed: {', '.join(env_names())}")
         return env
@@ -78,8 +77,6 @@ class RolloutConfig(_Section):
     @field_validator("opponent")
     @classmethod
     def _known_opponent(cls, opponent: str, info: ValidationInfo) -> str:
-        from repertory.envs import env_class
-
         env = info.data.get("env")
         if env is None or opponent in ("self", "base", "pool") or opponent.startswith(("model:", "script:")):
             return opponent

@@ -12,6 +12,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from repertory.config import load_config  # noqa: E402
+from repertory.stats import format_mean_se, seed_summary  # noqa: E402
+from repertory.types import RepertoryError  # noqa: E402
+
 FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "outcome.png": ("Normalised outcome of the trained seats", ("outcome", "eval/outcome")),
     "losses.png": ("Losses", ("loss/",)),
@@ -143,9 +147,6 @@ class RunScores:
 def run_scores(run_dir: str | Path) -> RunScores:
     """Read a run's config and metrics; J of pi_k is ``eval/discounted_return`` on iteration k's line (the
     policy before that iteration's update) or ``final/discounted_return`` after the last one."""
-    from repertory.config import load_config
-    from repertory.types import RepertoryError
-
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
@@ -178,8 +179,6 @@ class ResultsTable:
     checkpoint: str
 
     def text(self, method: str, env: str) -> str:
-        from repertory.stats import format_mean_se
-
         cell = self.cells.get((method, env))
         return format_mean_se(cell[0], cell[1]) if cell else "—"
 
@@ -198,9 +197,6 @@ class ResultsTable:
 def results_table(runs: list[str | Path], checkpoint: str = "best") -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J of each seed's best
     (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial policies."""
-    from repertory.stats import seed_summary
-    from repertory.types import RepertoryError
-
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
     scores = [run_scores(r) for r in runs]

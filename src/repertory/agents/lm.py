@@ -22,14 +22,14 @@ from repertory.types import derive
 
 LIVE_ADAPTER = "default"  # PEFT's name of the adapter a model is created with: the trained one
 
-_BACKENDS: dict[tuple[str, str, str | None], Backend] = {}
+_BACKENDS: dict[tuple[str, str | None], Backend] = {}
 
 
-def shared_backend(model: str = EMBEDDED, device: str | None = None, kind: str = "hf") -> Backend:
-    """One backend (one copy of the weights) per engine, model and device for the whole process."""
-    key = (kind, model, device)
+def shared_backend(model: str = EMBEDDED, device: str | None = None) -> Backend:
+    """One ``hf`` backend (one copy of the weights) per model and device for the whole process."""
+    key = (model, device)
     if key not in _BACKENDS:
-        _BACKENDS[key] = make_backend(kind, load_model(model, device))
+        _BACKENDS[key] = make_backend("hf", load_model(model, device))
     return _BACKENDS[key]
 
 

@@ -36,6 +36,7 @@ class LivePolicy:
     peft: Any = None  # LoRA: the live PEFT model (base = adapters off; snapshots = other adapters)
     reference: LoadedModel | None = None  # full fine-tuning: the frozen initial weights
     load_snapshot: Callable[[int], str] | None = None  # snapshot K -> the name of its loaded adapter
+    engine: str = "hf"  # the generation backend that samples it (``rollout.backend``)
 
 
 def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live: LivePolicy | None = None) -> Agent:
@@ -52,11 +53,11 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
     if spec == "human":
         return HumanAgent()
     if spec == "base":
-        return _base(options, live) if live is not None else _model(options.model, "base", options)
+        return _base(live) if live is not None else language_model(options.model, options, "base")
     if spec == "model":
         if live is not None:
             raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
-        return _model(options.model, "model", options)
+        return language_model(options.model, options, "model")
     if spec.startswith("snapshot@") and live is not None and live.load_snapshot is not None:
         iteration = spec.removeprefix("snapshot@")
         if iteration.isdigit():
@@ -66,7 +67,7 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
     if path and is_run_or_checkpoint(path):
         return trained_policy(path, options, name=spec)
     if spec.startswith("model:") and path:
-        return _model(path, spec, options)
+        return language_model(path, options, spec)
     raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")
 
 
@@ -78,23 +79,29 @@ def trained_policy(path: str, options: LMOptions, name: str | None = None, polic
     trained = {field: getattr(config.rollout, field) for field in options.as_trained}
     options = replace(options, **trained)
     loaded = load_policy(checkpoint, config, options.device)
-    params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
     backend = make_backend(config.rollout.backend, loaded)
     agent_id = policy_id or f"snapshot@{int(checkpoint.name)}"
-    return LMAgent(backend, name or loaded.name, params, options.constrained, options.seed, agent_id)
+    return LMAgent(backend, name or loaded.name, sampling(options), options.constrained, options.seed, agent_id)
 
 
-def _model(model: str, name: str, options: LMOptions) -> LMAgent:
-    params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
-    return LMAgent(shared_backend(model, options.device), name, params, options.constrained, options.seed)
+def language_model(model: str, options: LMOptions, name: str | None = None, policy_id: str = "base") -> LMAgent:
+    """``model`` (the embedded one or a Hugging Face checkpoint directory) as an agent on the process's one copy of
+    its weights, named ``name`` (default: the model's name)."""
+    backend = shared_backend(model, options.device)
+    return LMAgent(backend, name or backend.name, sampling(options), options.constrained, options.seed, policy_id)
 
 
-def _base(options: LMOptions, live: LivePolicy) -> Agent:
+def sampling(options: LMOptions) -> SamplingParams:
+    """How an agent built with ``options`` samples."""
+    return SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
+
+
+def _base(live: LivePolicy) -> Agent:
     agent = live.agent
     if live.peft is not None:
         base = LMAgent(agent.backend, "base", agent.params, agent.constrained, agent.seed, "base")
         return AdaptersOff(base, live.peft)
     if live.reference is None:
         raise RepertoryError("'base' beside a live policy needs its LoRA model or its frozen reference")
-    frozen = make_backend("hf", live.reference)
+    frozen = make_backend(live.engine, live.reference)
     return LMAgent(frozen, "base", agent.params, agent.constrained, agent.seed, "base")

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from repertory.agents import Agent, LMOptions
-from repertory.agents.lm import LMAgent, shared_backend
-from repertory.agents.resolve import make_agent, trained_policy
+from repertory.agents.lm import LMAgent
+from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
-from repertory.generation import SamplingParams
 from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
@@ -267,9 +266,7 @@ def evaluation_lineup(
         seed,
     )
     if target == "base":
-        backend = shared_backend(model, options.device)
-        params = SamplingParams(options.temperature, options.top_p, options.max_new_tokens)
-        agent = LMAgent(backend, backend.name, params, options.constrained, seed, policy_id="live")
+        agent = language_model(model, options, policy_id="live")
         if vs == "model":  # the same untrained model in the other seat
             vs = "base"
     else:

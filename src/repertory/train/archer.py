@@ -11,7 +11,7 @@ import torch
 from repertory.algos import offline
 from repertory.models.packing import token_batches
 from repertory.store.turns import LoggedTurn
-from repertory.train.rounds import RoundsTrainer, _chunks, register_method
+from repertory.train.rounds import RoundsTrainer, chunks, register_method
 from repertory.train.turns import conversations
 from repertory.types import Episode, derive
 
@@ -60,7 +60,7 @@ def archer(
     for critic_pass in range(2 if round_index == 0 else 1):
         order = list(range(len(buffer)))
         random.Random(derive(trainer.config.seed, round_index, critic_pass, "archer-critic")).shuffle(order)
-        for chunk in _chunks(order, trainer.config.rounds.archer.batch_size):
+        for chunk in chunks(order, trainer.config.rounds.archer.batch_size):
             batch = [buffer[i] for i in chunk]
             states = [by_state[tuple(x.state)] for x in batch]
             generations, _ = trainer.sample(states, all_episodes, 1, (round_index, critic_pass, "archer-critic"))
@@ -69,7 +69,7 @@ def archer(
     actor_losses, advantages = [], []
     order = list(range(len(turns)))
     random.Random(derive(trainer.config.seed, round_index, "archer-actor")).shuffle(order)
-    for chunk in _chunks(order, trainer.config.rounds.archer.batch_size):
+    for chunk in chunks(order, trainer.config.rounds.archer.batch_size):
         states = [turns[i] for i in chunk]
         generations, _ = trainer.sample(states, episodes, 1, (round_index, "archer-actor"))
         actions = [g.token_ids for g in generations]

@@ -82,6 +82,7 @@ class Trainer:
             self.learner.peft,
             LoadedModel(reference, loaded.tokenizer, loaded.name) if reference is not None else None,
             self.pool.load if self.pool is not None else None,
+            config.rollout.backend,
         )
         self.opponent = self._agent(config.rollout.opponent)
         eval_spec = config.eval.opponent or config.rollout.opponent

@@ -114,7 +114,8 @@ class _Counting:
         return self.agent.act(requests)
 
 
-def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+def chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    """Consecutive slices of ``items`` of at most ``size`` (the optimiser batches of the round methods)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -329,7 +330,7 @@ def igrpo(
     for epoch in range(epochs):
         order = list(range(len(turns)))
         random.Random(derive(trainer.config.seed, round_index, epoch, "igrpo")).shuffle(order)
-        for chunk in _chunks(order, rounds.states_per_step):
+        for chunk in chunks(order, rounds.states_per_step):
             states = [turns[i] for i in chunk]
             generations, replayed = trainer.sample(states, episodes, n, (round_index, epoch, "candidate"))
             prompts = [x.prompt_ids for x in states for _ in range(n)]
@@ -413,7 +414,7 @@ def mt_sft(
     for epoch in range(epochs):
         order = list(range(len(kept)))
         random.Random(derive(trainer.config.seed, round_index, epoch, "sft")).shuffle(order)
-        for chunk in _chunks(order, trainer.config.rounds.batch_size):
+        for chunk in chunks(order, trainer.config.rounds.batch_size):
             pairs = [(kept[i].prompt_ids, kept[i].response_ids) for i in chunk]
             n_tokens = sum(len(r) for _, r in pairs)
             loss = trainer.learner.backward_on(pairs, lambda _, logps, n=n_tokens: -torch.cat(logps).sum() / n)
@@ -466,7 +467,7 @@ def mt_kto(
     for epoch in range(epochs):
         order = list(range(len(samples)))
         random.Random(derive(trainer.config.seed, round_index, epoch, "kto")).shuffle(order)
-        for chunk in _chunks(order, rounds.batch_size):
+        for chunk in chunks(order, rounds.batch_size):
             mismatched = _kto_mismatched(trainer, [samples[i] for i in chunk])
             n = len(chunk)
 
