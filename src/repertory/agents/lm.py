@@ -4,14 +4,13 @@ An :class:`LMAgent` renders each request's chat with the model's own chat templa
 of them in one batched call of its backend (any :class:`~repertory.generation.Backend`), and returns
 the exact prompt ids, response ids and sampling log-probs with the text. The backend (the loaded
 weights) is separate from the agent, so several agents share one model: a live policy, the base
-model with the LoRA adapters switched off (:class:`AdaptersOff`), and frozen snapshots loaded as
-other adapters (:class:`AdapterAgent`).
+model with the LoRA adapters switched off (``adapter=None``), and frozen snapshots loaded as other
+adapters (``adapter="snapshot-K"``); the backend applies the choice per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
@@ -44,8 +43,12 @@ class LMAgent:
         constrained: bool = False,
         seed: int = 0,
         policy_id: str = "base",
+        adapter: str | None = LIVE_ADAPTER,
     ):
+        """``adapter`` picks the policy version on a LoRA model: the live adapter (default; on a model without
+        LoRA, the model itself), another named adapter (a frozen snapshot) or None (the base, adapters off)."""
         self.backend = backend
+        self.adapter = adapter
         self.name = name
         self.params = params or SamplingParams()
         self.constrained = constrained
@@ -67,7 +70,8 @@ class LMAgent:
         ]
         keys = [(self.name, r.episode_id, r.seat) for r in requests]
         enough = [_visible_text_exceeds(r.max_chars) if r.max_chars is not None else None for r in requests]
-        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough)
+        adapters = None if self.adapter == LIVE_ADAPTER else [self.adapter] * len(requests)
+        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
         return [
             Response(
                 text=self.backend.decode(g.token_ids),
@@ -84,30 +88,3 @@ def _visible_text_exceeds(limit: int) -> Callable[[str], bool]:
     """True once the text the environment reads (thinking removed) is past ``limit``: the
     environment cuts everything after it, so sampling more is wasted."""
     return lambda text: len(clean(text, limit + 1)) > limit
-
-
-class AdaptersOff:
-    """The frozen base model as an agent: an LM agent on the live model with the LoRA adapters switched off."""
-
-    def __init__(self, agent: LMAgent, peft: Any):
-        self.agent, self.peft = agent, peft
-        self.name, self.policy_id = agent.name, "base"
-
-    def act(self, requests: list[Request]) -> list[Response]:
-        with self.peft.disable_adapter():
-            return self.agent.act(requests)
-
-
-class AdapterAgent:
-    """A frozen snapshot as an agent: the live model with another LoRA adapter active while it answers."""
-
-    def __init__(self, agent: LMAgent, peft: Any, adapter: str):
-        self.agent, self.peft, self.adapter = agent, peft, adapter
-        self.name, self.policy_id = agent.name, agent.policy_id
-
-    def act(self, requests: list[Request]) -> list[Response]:
-        self.peft.set_adapter(self.adapter, inference_mode=True)
-        try:
-            return self.agent.act(requests)
-        finally:
-            self.peft.set_adapter(LIVE_ADAPTER)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, ScriptAgent, agent_names
-from repertory.agents.lm import AdapterAgent, AdaptersOff, LMAgent, shared_backend
+from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
@@ -61,8 +61,9 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
     if spec.startswith("snapshot@") and live is not None and live.load_snapshot is not None:
         iteration = spec.removeprefix("snapshot@")
         if iteration.isdigit():
-            agent = LMAgent(live.agent.backend, spec, live.agent.params, live.agent.constrained, live.agent.seed, spec)
-            return AdapterAgent(agent, live.peft, live.load_snapshot(int(iteration)))
+            agent = live.agent
+            adapter = live.load_snapshot(int(iteration))
+            return LMAgent(agent.backend, spec, agent.params, agent.constrained, agent.seed, spec, adapter)
     path = spec.removeprefix("model:")
     if path and is_run_or_checkpoint(path):
         return trained_policy(path, options, name=spec)
@@ -99,8 +100,7 @@ def sampling(options: LMOptions) -> SamplingParams:
 def _base(live: LivePolicy) -> Agent:
     agent = live.agent
     if live.peft is not None:
-        base = LMAgent(agent.backend, "base", agent.params, agent.constrained, agent.seed, "base")
-        return AdaptersOff(base, live.peft)
+        return LMAgent(agent.backend, "base", agent.params, agent.constrained, agent.seed, "base", adapter=None)
     if live.reference is None:
         raise RepertoryError("'base' beside a live policy needs its LoRA model or its frozen reference")
     frozen = make_backend(live.engine, live.reference)

