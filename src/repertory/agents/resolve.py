@@ -80,7 +80,7 @@ def trained_policy(path: str, options: LMOptions, name: str | None = None, polic
     trained = {field: getattr(config.rollout, field) for field in options.as_trained}
     options = replace(options, **trained)
     loaded = load_policy(checkpoint, config, options.device)
-    backend = make_backend(config.rollout.backend, loaded)
+    backend = make_backend(config.rollout.backend, loaded, **config.rollout.engine_args)
     agent_id = policy_id or f"snapshot@{int(checkpoint.name)}"
     return LMAgent(backend, name or loaded.name, sampling(options), options.constrained, options.seed, agent_id)
 

@@ -47,6 +47,34 @@ def truncated_is_loss(
     return -weights * advantages * logp_new, weights
 
 
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+
+
+def rollout_correction(logp_learner: Tensor, logp_sample: Tensor, mode: str, cap: float) -> Tensor:
+    """Per-token weights for the sampler-learner mismatch (docs/algorithms.md 1.2): with the ratio
+    r = exp(logp_learner - logp_sample) at the sampled tokens, ``none`` gives 1, ``tis`` min(r, cap) and
+    ``mis`` r where r <= cap, else 0 (the token is masked). Detached: they reweight, never get a gradient."""
+    if mode == "none":
+        return torch.ones_like(logp_learner)
+    ratio = torch.exp(logp_learner.detach() - logp_sample.to(logp_learner))
+    if mode == "tis":
+        return ratio.clamp(max=cap)
+    if mode == "mis":
+        return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    raise RepertoryError(f"unknown rollout correction {mode!r}; known: {', '.join(ROLLOUT_CORRECTIONS)}")
+
+
+def sampler_mismatch(logp_learner: Tensor, logp_sample: Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs are from the learner's on the same tokens: the largest and mean
+    absolute gap, and the k3 estimate of KL(sampler || learner) from the sampler's own tokens."""
+    gap = logp_learner.detach() - logp_sample.to(logp_learner)
+    return {
+        "offpolicy/max_gap": float(gap.abs().max()),
+        "offpolicy/mean_gap": float(gap.abs().mean()),
+        "offpolicy/kl": float((torch.exp(gap) - 1 - gap).mean()),
+    }
+
+
 def reinforce_loss(logp_new: Tensor, advantages: Tensor) -> Tensor:
     """Plain policy-gradient loss per token: -A * logp_new."""
     return -advantages * logp_new

@@ -70,6 +70,7 @@ class _Row:
 
 
 _ROWS: dict[str, _Row] = {}
+_OPEN: set[int] = set()  # the backends whose engines run in this process
 
 
 class _RowProcessor(AdapterLogitsProcessor):
@@ -131,6 +132,7 @@ class VLLMBackend:
         self._asleep = False
         self._settings = (max_model_len, max_loras, engine_args)
         self.llm = self._engine()
+        _OPEN.add(id(self))
 
     def _engine(self) -> LLM:
         max_model_len, max_loras, engine_args = self._settings
@@ -263,6 +265,7 @@ class VLLMBackend:
             # vLLM's CPU layers repack their weights once loaded and cannot take new ones: a new engine can.
             self._shutdown()
             self.llm = self._engine()
+            _OPEN.add(id(self))
             return
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         self.llm.apply_model(lambda model: model.load_weights(iter(state.items())))
@@ -291,7 +294,17 @@ class VLLMBackend:
     def _shutdown(self) -> None:
         self._loras.clear()
         shutil.rmtree(self.llm.llm_engine.model_config.model, ignore_errors=True)
-        self.llm.llm_engine.engine_core.shutdown()
+        client = self.llm.llm_engine.engine_core
+        _OPEN.discard(id(self))
+        if _OPEN:
+            # A shut-down engine tears down the process's distributed state, which the other engines still use:
+            # release this one's executor and scheduler only (and keep its finaliser from tearing down later).
+            client._finalizer.detach()
+            client.engine_core.model_executor.shutdown()
+            client.engine_core.scheduler.shutdown()
+            gc.unfreeze()
+        else:
+            client.shutdown()
         del self.llm
         gc.collect()
 

@@ -58,9 +58,10 @@ class Trainer:
             needs_critic=self.needs_critic(),
             temperature=config.rollout.temperature,
             seed=config.seed,
+            sampler=config.rollout.backend,
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
-        self.backend = make_backend(config.rollout.backend, self.loaded)
+        self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
         sampler_seed = derive(config.seed, "sampler")
         self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")

@@ -51,6 +51,7 @@ class Batch:
     logp_old: dict[int, torch.Tensor] = field(default_factory=dict)
     logp_ref: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    correction: dict[int, torch.Tensor] = field(default_factory=dict)  # sampler-learner weights, per token
 
     @property
     def n_tokens(self) -> int:

@@ -55,8 +55,12 @@ class Learner:
         needs_critic: bool,
         temperature: float = 1.0,
         seed: int = 0,
+        sampler: str = "hf",
     ):
+        """``sampler`` names the generation backend whose log-probs the batches carry (``rollout.backend``)."""
         self.algo, self.critic_config, self.seed = algo, critic, seed
+        auto = "none" if sampler == "hf" else "tis"
+        self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
         self.policy_loss = losses.get_policy_loss(algo.policy_loss)
         self.temperature = temperature
         self.tokenizer = loaded.tokenizer
@@ -226,14 +230,27 @@ class Learner:
         return float(norms[0])
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> None:
-        """Fill ``logp_old``, ``logp_ref`` and (with a critic) ``values`` for every trained sample."""
+    def score(self, batch: Batch) -> dict[str, float]:
+        """Fill ``logp_old``, ``logp_ref``, the rollout ``correction`` and (with a critic) ``values`` for every
+        trained sample; returns the sampler-learner mismatch over the tokens the sampler recorded."""
         for micro in self._micro_batches(batch.sequences):
             scored = self._forward(micro, batch.samples, values=True)
             batch.logp_old.update({i: t.detach() for i, t in scored.logp.items()})
             batch.values.update({i: t.detach() for i, t in scored.values.items()})
             ref = self._forward(micro, batch.samples, reference=True)
             batch.logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
+        recorded = [i for i in batch.logp_old if len(batch.samples[i].logp_sample) == len(batch.logp_old[i])]
+        sampled = {i: torch.tensor(batch.samples[i].logp_sample, device=self.device) for i in recorded}
+        cap = self.algo.rollout_correction_cap
+        for i, old in batch.logp_old.items():
+            mode = self.correction if i in sampled else "none"  # logged turns may carry no log-probs
+            batch.correction[i] = losses.rollout_correction(old, sampled.get(i, old), mode, cap)
+        if not sampled:
+            return {}
+        learner = torch.cat([batch.logp_old[i] for i in recorded])
+        metrics = losses.sampler_mismatch(learner, torch.cat([sampled[i] for i in recorded]))
+        metrics["offpolicy/weight_mean"] = float(torch.cat([batch.correction[i] for i in recorded]).mean())
+        return metrics
 
     # the optimisation step
 
@@ -319,7 +336,7 @@ class Learner:
             ent = torch.cat([scored.entropy[i] for i in idx])
             kl = losses.kl_penalty(logp, ref, algo.kl_estimator)
             terms = self.policy_loss(logp, old, adv, algo)
-            l_pg, clipped = terms.loss, terms.clipped
+            l_pg, clipped = terms.loss * torch.cat([batch.correction[i] for i in idx]), terms.clipped
             if terms.kl_weights is not None:
                 kl = terms.kl_weights * kl
             loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()

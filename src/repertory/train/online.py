@@ -53,7 +53,8 @@ class OnlineTrainer(Trainer):
                 f"iteration {iteration}: no trainable tokens (no live seat produced a response); "
                 "check rollout.opponent and the environment"
             )
-        self.learner.score(batch)
+        self.backend.offload()  # the learner takes the device (a colocated vLLM engine sleeps until sync)
+        mismatch = self.learner.score(batch)
         advantages, returns, estimate_metrics = self.advantages(batch)
         update = self.learner.update(batch, advantages, returns, iteration)
         train_s = time.perf_counter() - start
@@ -67,6 +68,7 @@ class OnlineTrainer(Trainer):
                 "tokens/sequence": seq_tokens,
                 **update,
                 **estimate_metrics,
+                **mismatch,
                 "time/rollout_s": rollout_s,
                 "time/train_s": train_s,
                 "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,

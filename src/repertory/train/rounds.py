@@ -358,6 +358,7 @@ def igrpo(
             batch, adv = single_turn_batch(prompts, [g.token_ids for g in generations], advantages)
             if not batch.sequences:
                 continue
+            trainer.backend.offload()
             trainer.learner.score(batch)
             stats = trainer.learner.update(batch, adv, None, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
             trainer.sync()  # the next step samples its candidates from the updated policy
@@ -391,9 +392,10 @@ def st_grpo(
     batch, adv = single_turn_batch(
         [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[conversation_of(t)] for t in flat]
     )
-    trainer.learner.score(batch)
+    trainer.backend.offload()
+    mismatch = trainer.learner.score(batch)
     mini = max(1, math.ceil(len(batch.sequences) / trainer.config.rounds.batch_size))
-    metrics = trainer.learner.update(batch, adv, None, f"st-grpo/{round_index}", epochs, mini)
+    metrics = {**mismatch, **trainer.learner.update(batch, adv, None, f"st-grpo/{round_index}", epochs, mini)}
     metrics["st-grpo/groups"] = float(sum(len(m) >= 2 for m in by_kernel.values()))
     return metrics
 
@@ -432,8 +434,10 @@ def mt_ppo(
     """MT-PPO in batch-online mode (6.3): token-level GAE with the critic (warm across rounds) on the round's
     conversations, PPO epochs with the deployed policy as the old one."""
     batch = collect(list(episodes.values()), trainer.config.algo.packing, trainer.config.algo.mask_truncated)
-    trainer.learner.score(batch)
+    trainer.backend.offload()
+    mismatch = trainer.learner.score(batch)
     advantages, returns, metrics = trainer.advantages(batch)
+    metrics.update(mismatch)
     metrics.update(trainer.learner.update(batch, advantages, returns, f"mt-ppo/{round_index}", epochs))
     return metrics
 

