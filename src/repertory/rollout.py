@@ -98,6 +98,7 @@ class _Running:
                 prompt_ids=list(response.prompt_ids),
                 response_ids=list(response.response_ids),
                 logp_sample=list(response.logp_sample),
+                policy_version=response.policy_version,
                 reward=self.unattached.pop(role, 0.0),
             )
             self.turns.append(turn)

@@ -157,6 +157,7 @@ class Turn:
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     logp_sample: list[float] = field(default_factory=list)
+    policy_version: int = 0  # the sampling policy's version: the trainer's updates before it was sampled
 
 
 @dataclass

@@ -8,9 +8,11 @@ pass of the same weights in transformers, the quantity the learner recomputes.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from repertory.generation import BACKENDS, Backend, SamplingParams, TokenTrie, make_backend
 from repertory.models import LoadedModel, load_tokenizer, tiny_model
@@ -28,18 +30,27 @@ ENGINES = [
 ]
 TOL = 1e-4
 HIDDEN = 128  # 4 heads of 32: vLLM's CPU attention has no kernel for heads of 16
+DEVICE = os.environ.get("REPERTORY_TEST_DEVICE", "cpu")  # benchmarks/gpu.sh runs the contract on "cuda"
+
+
+def tiny(tokenizer, seed: int) -> LoadedModel:
+    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=seed)
+    loaded.model.to(DEVICE)
+    return loaded
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer()
+    # A machine without the embedded model's package (a lent GPU) names a saved copy of its tokenizer.
+    saved = os.environ.get("REPERTORY_TEST_TOKENIZER")
+    return AutoTokenizer.from_pretrained(saved) if saved else load_tokenizer()
 
 
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request, tokenizer) -> tuple[Backend, LoadedModel]:
-    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=0)
+    loaded = tiny(tokenizer, seed=0)
     backend = make_backend(request.param, loaded)
     yield backend, loaded
     backend.close()
@@ -47,7 +58,7 @@ def engine(request, tokenizer) -> tuple[Backend, LoadedModel]:
 
 def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
+        logits = model(torch.tensor([prompt + response], device=model.device)).logits[0].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
 
@@ -145,7 +156,7 @@ def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
 @pytest.mark.parametrize("kind", ENGINES)
 def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     """After the learner changes the weights, ``sync`` leaves nothing stale: the engine samples as a fresh one."""
-    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=4)
+    loaded = tiny(tokenizer, seed=4)
     backend = make_backend(kind, loaded)
     prompt = tokenizer.encode("Round 1 of 10. " * 4)
     params = SamplingParams(max_new_tokens=8)

@@ -170,3 +170,17 @@ def test_a_vllm_backed_run_reports_the_mismatch_and_resumes(tmp_path, tokenizer)
         assert 0 <= line["offpolicy/max_gap"] < 1e-3 and abs(line["offpolicy/weight_mean"] - 1) < 1e-3
     assert "final/outcome" in lines[-1]
     assert [c.name for c in complete_checkpoints(run_dir)] == ["000001", "000002"]
+
+
+def test_bench_rollout_runs_both_engines_on_the_same_episodes(tmp_path, tokenizer, capsys):
+    from repertory.cli import main
+    from repertory.models import save_checkpoint
+
+    save_checkpoint(tiny_model(tokenizer, hidden=HIDDEN, seed=8).model, tokenizer, tmp_path / "m")
+    argv = ["bench", "rollout", "--model", str(tmp_path / "m"), "-e", "ipd", "-n", "2", "--max-new-tokens", "4"]
+    main([*argv, "--backend", "hf", "--backend", "vllm", "--no-naive", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    hf, vllm = result["engines"]["hf"], result["engines"]["vllm"]
+    assert hf["turns"] == vllm["turns"] == 40 and hf["generation_calls"] == vllm["generation_calls"] == 10
+    assert hf["generated_tokens"] == vllm["generated_tokens"] == 40 * 4  # no stop token in 4 random tokens
+    assert vllm["start_seconds"] > 0 and vllm["over_hf"] == pytest.approx(vllm["tok_s"] / hf["tok_s"])

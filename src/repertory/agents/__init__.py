@@ -59,6 +59,7 @@ class Response:
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     logp_sample: list[float] = field(default_factory=list)
+    policy_version: int = 0  # the version of the policy that sampled it (a trainer's updates so far)
 
 
 class Agent(Protocol):

@@ -79,6 +79,7 @@ class LMAgent:
                 prompt_ids=prompt,
                 response_ids=g.token_ids,
                 logp_sample=g.logprobs,
+                policy_version=self.backend.version,
             )
             for prompt, g in zip(prompts, generations)
         ]

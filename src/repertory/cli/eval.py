@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
@@ -90,6 +92,23 @@ def _print_crossplay_report(report: CrossPlayReport) -> None:
         out.print(table)
 
 
+@contextlib.contextmanager
+def _workers(n: int, env: str, lineup: Callable[[], dict]) -> Iterator[Any]:
+    """``--workers N``: a pool of N Ray actors with the line-up (None for 0), ended afterwards."""
+    if n < 0:
+        raise RepertoryError(f"--workers must be at least 0 (got {n})")
+    if n == 0:
+        yield None
+        return
+    from repertory.workers import WorkerPool
+
+    pool = WorkerPool(n, env, lineup=lineup)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 def _eval_crossplay(
     env: str | None,
     specs: str | None,
@@ -101,8 +120,9 @@ def _eval_crossplay(
     constrained: bool | None,
     as_json: bool,
     out_dir: Path | None,
+    workers: int,
 ) -> None:
-    from repertory.eval.crossplay import crossplay, crossplay_report, lineup, lineup_agent
+    from repertory.eval.crossplay import crossplay, crossplay_report, lineup, lineup_agents
 
     cls, names = lineup(specs, env)
     check_run_options(split, seed, episodes)
@@ -110,11 +130,10 @@ def _eval_crossplay(
         raise RepertoryError(f"--out {out_dir} is not a directory")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    agents = {
-        name: lineup_agent(name, cls, seed + 1 + i, model, max_new_tokens, constrained)
-        for i, name in enumerate(names)
-    }
-    report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split))
+    line_up = (names, cls.name, seed, model, max_new_tokens, constrained)
+    agents = lineup_agents(*line_up)
+    with _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool:
+        report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, workers=pool))
     data = report.to_json()
     if as_json:
         print(json.dumps(data))
@@ -223,6 +242,9 @@ def eval_command(
     overrides: list[str] | None = typer.Option(
         None, "--set", help="exploit: change the exploiter's recipe (naive-ENV), e.g. --set rollout.constrained=true."
     ),
+    workers: int = typer.Option(
+        0, "--workers", help="Ray actors sharing the games, each with its own copy of the agents (0: this process)."
+    ),
 ) -> None:
     """Held-out evaluation: normalised outcome per role (mean +- standard error) and the environment's metrics.
 
@@ -236,18 +258,22 @@ def eval_command(
     if target == "crossplay":
         if vs is not None:
             raise RepertoryError("--vs is for one agent; crossplay plays every pair of --agents")
-        _eval_crossplay(env, agents, episodes, seed, split, model, max_new_tokens, constrained, as_json, out_dir)
+        _eval_crossplay(
+            env, agents, episodes, seed, split, model, max_new_tokens, constrained, as_json, out_dir, workers
+        )
         return
     if agents is not None or out_dir is not None:
         option = "--agents" if agents is not None else "--out"
         raise RepertoryError(f"{option} is only for `repertory eval crossplay --env ENV --agents A,B,...`")
-    from repertory.eval import evaluate, evaluation_lineup
+    from repertory.eval import evaluate, evaluation_agents, evaluation_lineup
 
     check_run_options(split, seed, episodes)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    agent, opponent, env_name = evaluation_lineup(target, env, vs, seed, model, max_new_tokens, constrained)
-    result = evaluate(env_name, agent, episodes, seed, split, opponent)
+    line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
+    agent, opponent, env_name = evaluation_lineup(*line_up)
+    with _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool:
+        result = evaluate(env_name, agent, episodes, seed, split, opponent, workers=pool)
     if as_json:
         print(json.dumps(result.to_json()))
         return

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from repertory.agents import Agent, LMOptions
 from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
+from repertory.rollout import EpisodeSpec, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
 from repertory.types import Episode, RepertoryError, RoleResult
+from repertory.workers import WorkerPool, play
 
 DISCOUNT = 0.95
 """gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (docs/environments.md 1.4)."""
@@ -124,12 +126,14 @@ def evaluate(
     iteration: int = 0,
     gamma: float = DISCOUNT,
     max_concurrent: int = 64,
+    workers: WorkerPool | None = None,
 ) -> Evaluation:
     """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
     opponent, the agent sits in the game's trained seat where the game fixes one (negotiations),
     else takes each seat in turn (episode i: seat i mod seats); an opponent that is a model is
     watched by the partner guard. Scores count the agent's seats only. At most ``max_concurrent``
-    games run at once, so that every running seat's chat stays in the generation prefix cache."""
+    games run at once, so that every running seat's chat stays in the generation prefix cache; with
+    ``workers`` (line-up :func:`evaluation_agents`) the games are sharded over Ray actors."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
@@ -142,7 +146,8 @@ def evaluate(
             spec.agents = [agent if s == live else opponent for s in range(n_seats)]
             spec.guarded = guarded_seats(cls, spec.agents, live)
         specs.append(spec)
-    played = run_episodes(specs, max_concurrent=max_concurrent)
+    names = {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}
+    played = play(specs, workers, names, max_concurrent)
     scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
     return Evaluation(
         env=env,
@@ -273,3 +278,9 @@ def evaluation_lineup(
         agent = trained_policy(target, options, policy_id="live")
     opponent = None if vs == "self" else make_agent(vs, cls, replace(options, seed=seed + 1))
     return agent, opponent, env_name
+
+
+def evaluation_agents(*args: Any) -> dict[str, Agent]:
+    """:func:`evaluation_lineup`'s agents by the names :func:`evaluate` gives them (a worker's line-up)."""
+    agent, opponent, _ = evaluation_lineup(*args)
+    return {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}

@@ -17,9 +17,10 @@ from repertory.agents import Agent, LMOptions
 from repertory.agents.resolve import make_agent
 from repertory.envs import Env, env_class
 from repertory.eval import PairResult, summarize
-from repertory.rollout import guarded_seats, run_episodes, schedule
+from repertory.rollout import guarded_seats, schedule
 from repertory.stats import mean_se
 from repertory.types import Episode, RepertoryError
+from repertory.workers import WorkerPool, play
 
 Matrix = dict[str, dict[str, tuple[float, float]]]
 """``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
@@ -91,6 +92,7 @@ def crossplay(
     split: str = "heldout",
     on_episode: Callable[[Episode], None] | None = None,
     max_concurrent: int = 64,
+    workers: WorkerPool | None = None,
 ) -> CrossPlay:
     """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each, at most
     ``max_concurrent`` games at once so that every running seat's chat stays in the prefix cache."""
@@ -105,7 +107,7 @@ def crossplay(
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
             spec.guarded = guarded_seats(cls, spec.agents, trained)
             specs.append(spec)
-    played = run_episodes(specs, max_concurrent=max_concurrent, on_episode=on_episode)
+    played = play(specs, workers, agents, max_concurrent, on_episode)
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
     cells = {pair: summarize(cell) for pair, cell in games.items()}
     return CrossPlay(env, list(agents), cells, played, games)
@@ -434,6 +436,16 @@ def lineup_agent(
     kept += ("constrained",) if constrained is None else ()
     options = LMOptions(model, 1.0, 1.0, max_new_tokens or 400, bool(constrained), seed, as_trained=kept)
     return make_agent(spec, env, options)
+
+
+def lineup_agents(
+    names: list[str], env: str, seed: int, model: str, max_new_tokens: int | None, constrained: bool | None
+) -> dict[str, Agent]:
+    """The agents of ``eval crossplay --agents``, by name (also a worker's line-up)."""
+    cls = env_class(env)
+    return {
+        name: lineup_agent(name, cls, seed + 1 + i, model, max_new_tokens, constrained) for i, name in enumerate(names)
+    }
 
 
 def lineup(specs: str | None, env: str | None) -> tuple[type[Env], list[str]]:

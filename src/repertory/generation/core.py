@@ -103,6 +103,7 @@ class Backend(Protocol):
     name: str  # the policy it samples, as tables print it
     tokenizer: Any
     stats: GenerationStats
+    version: int  # the policy version it samples: 0 at the start, one more at each sync (turns record it)
 
     def generate(
         self,

@@ -111,6 +111,7 @@ class HFBackend:
         self.tokenizer = loaded.tokenizer
         self.max_batch = max_batch
         self.stats = GenerationStats()
+        self.version = 0
         self.name = loaded.name
         self.stop_ids = stop_token_ids(loaded.tokenizer)
         self._tries: dict[tuple[str, ...], TokenTrie] = {}
@@ -365,6 +366,7 @@ class HFBackend:
         prefix was computed with the old weights."""
         if policy is not self.model:
             raise ValueError("the hf backend samples the module it was built on; build a backend for this policy")
+        self.version += 1
         self.reset_cache()
 
     def offload(self) -> None:

@@ -43,7 +43,7 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
-from repertory.models import LoadedModel, save_checkpoint
+from repertory.models import LoadedModel, base_weights, save_checkpoint
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the row processor shares this process's registry
 
@@ -122,6 +122,7 @@ class VLLMBackend:
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         self.stats = GenerationStats()
+        self.version = 0
         self.stop_ids = stop_token_ids(loaded.tokenizer)
         self.end_of_turn_id = end_of_turn_id(loaded.tokenizer, self.stop_ids)
         self._tries: dict[tuple[str, ...], TokenTrie] = {}
@@ -255,6 +256,7 @@ class VLLMBackend:
         left the PEFT model are dropped), the weights themselves loaded into the engine otherwise."""
         if policy is not self.model:
             raise ValueError("the vllm backend serves the model it was built on; build a backend for this policy")
+        self.version += 1
         self._wake()
         if self.peft is not None:
             live = self.peft.active_adapter
@@ -331,13 +333,8 @@ def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
     if loaded.peft is None:
         save_checkpoint(loaded.model, loaded.tokenizer, directory)
         return
-    state = {
-        k.replace(".base_layer.", "."): v
-        for k, v in loaded.model.state_dict().items()
-        if ".lora_" not in k and "lora_magnitude" not in k
-    }
     directory.mkdir(parents=True, exist_ok=True)
-    loaded.model.save_pretrained(str(directory), state_dict=state)
+    loaded.model.save_pretrained(str(directory), state_dict=base_weights(loaded))
     loaded.tokenizer.save_pretrained(str(directory))
 
 

@@ -112,6 +112,16 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return directory
 
 
+def base_weights(loaded: LoadedModel) -> dict[str, torch.Tensor]:
+    """The state dict of the weights under the LoRA adapters (the model's own state dict without LoRA), with
+    the names a plain model of its architecture loads."""
+    state = loaded.model.state_dict()
+    if loaded.peft is None:
+        return state
+    lora = (".lora_", "lora_magnitude")
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if not any(x in k for x in lora)}
+
+
 def _dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

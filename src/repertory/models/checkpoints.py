@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from repertory.config import TrainConfig
 from repertory.models import LoadedModel, load_model, save_checkpoint
@@ -22,6 +23,22 @@ def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None
         return LoadedModel(merged, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
     loaded = load_model(str(policy), device or config.model.device)
     return LoadedModel(loaded.model, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+
+
+def load_adapter(peft: Any, name: str, file: Path, live: str = "default") -> str:
+    """Add the LoRA adapter saved in ``file`` (safetensors of its state dict) to ``peft`` as ``name``, shaped
+    like its ``live`` adapter, which stays active; returns ``name``."""
+    import torch
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    # A new adapter draws its initial weights (overwritten below) from the global RNG; forking keeps a
+    # resumed run, which loads every snapshot at once, on the same random stream as a straight one.
+    with torch.random.fork_rng(devices=[]):
+        peft.add_adapter(name, peft.peft_config[live])
+    set_peft_model_state_dict(peft, load_file(str(file)), adapter_name=name)
+    peft.set_adapter(live)
+    return name
 
 
 def export_policy(path: str | Path, out_dir: str | Path, device: str = "cpu") -> Path:

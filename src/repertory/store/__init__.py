@@ -42,6 +42,7 @@ _TURN = pa.struct(
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),
         ("logp_sample", pa.list_(pa.float64())),
+        ("policy_version", pa.int64()),
     ]
 )
 SCHEMA = pa.schema(
@@ -133,6 +134,7 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
                 "prompt_ids": t.prompt_ids,
                 "response_ids": t.response_ids,
                 "logp_sample": t.logp_sample,
+                "policy_version": t.policy_version,
             }
             for t in ep.turns
         ],
@@ -171,6 +173,7 @@ def _row_episode(row: dict[str, Any]) -> Episode:
                 prompt_ids=t["prompt_ids"],
                 response_ids=t["response_ids"],
                 logp_sample=t["logp_sample"],
+                policy_version=t.get("policy_version") or 0,  # files written before versions were recorded
             )
             for t in row["turns"]
         ],

@@ -18,24 +18,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import get_peft_model_state_dict
 
 from repertory import algos
 from repertory.agents import Agent, LMOptions
-from repertory.agents.lm import LMAgent
+from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels
 from repertory.eval import DISCOUNT, agent_seat, evaluate
 from repertory.generation import SamplingParams, make_backend
-from repertory.models import LoadedModel, load_model
+from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
-from repertory.rollout import EpisodeSpec, guarded_seats
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
 from repertory.runs import write_checkpoint
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.pool import OpponentPool
-from repertory.types import derive
+from repertory.types import Episode, RepertoryError, derive
+from repertory.workers import LIVE, LiveSource, WorkerPool
 
 TIMING_PREFIXES = ("time/", "throughput/", "memory/")
 
@@ -96,6 +98,7 @@ class Trainer:
         self.iteration = 0
         self.estimator_state: dict[str, Any] = {}
         self.discount = DISCOUNT  # gamma of the held-out expected discounted return
+        self.workers: WorkerPool | None = None  # built at the first sharded rollout
 
     def needs_critic(self) -> bool:
         """Whether the learner carries a value model (read from the config alone: called while building)."""
@@ -105,11 +108,9 @@ class Trainer:
         """What the estimator sees of a batch (the per-turn rewards as the environment gave them)."""
         return batch.estimator_inputs()
 
-    def _agent(self, spec: str) -> Agent | None:
-        """The line-up's other agent: None for the live policy itself (``self``, ``pool``), else the resolved spec."""
-        if spec in ("self", "pool"):
-            return None
-        options = LMOptions(
+    def _options(self) -> LMOptions:
+        """How the line-up's other language models sample."""
+        return LMOptions(
             model=self.config.model.name,
             temperature=self.config.rollout.temperature,
             max_new_tokens=self.config.rollout.max_new_tokens,
@@ -117,9 +118,65 @@ class Trainer:
             seed=derive(self.config.seed, "opponent"),
             device=self.config.model.device,
         )
-        return make_agent(spec, self.env, options, self.live_policy)
+
+    def _agent(self, spec: str) -> Agent | None:
+        """The line-up's other agent: None for the live policy itself (``self``, ``pool``), else the resolved spec."""
+        if spec in ("self", "pool"):
+            return None
+        return make_agent(spec, self.env, self._options(), self.live_policy)
 
     # rollout
+
+    def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
+        """Play an iteration's episodes: in this process, or sharded over ``rollout.workers`` Ray actors."""
+        rollout = self.config.rollout
+        if not rollout.workers:
+            return run_episodes(specs, rollout.max_concurrent)
+        if self.workers is None:
+            self.workers = WorkerPool(rollout.workers, rollout.env, self._options(), self._live_source())
+        return self.workers.play(specs, self._spec_of, rollout.max_concurrent)
+
+    def _spec_of(self, agent: Agent) -> str:
+        """The spec a worker resolves to this line-up agent."""
+        if agent is self.live:
+            return LIVE
+        if agent is self.opponent:
+            return self.config.rollout.opponent
+        if isinstance(agent, LMAgent) and agent.name.startswith("snapshot@"):
+            return agent.name
+        raise RepertoryError(f"agent {agent.name!r} cannot be sent to a rollout worker")
+
+    def _live_weights(self) -> dict[str, torch.Tensor]:
+        """What changes with an update: the live adapter under LoRA, the whole model otherwise."""
+        if self.learner.peft is not None:
+            return get_peft_model_state_dict(self.learner.peft, adapter_name=LIVE_ADAPTER)
+        return self.learner.model.state_dict()
+
+    def _live_source(self) -> LiveSource:
+        peft = self.learner.peft
+        reference = self.learner.reference
+        base = base_weights(self.loaded) if peft is not None else reference.state_dict()  # type: ignore[union-attr]
+        return LiveSource(
+            model_config=self.learner.model.config,
+            tokenizer=self.loaded.tokenizer,
+            name=self.loaded.name,
+            base={k: v.detach().cpu() for k, v in base.items()},
+            live={k: v.detach().cpu() for k, v in self._live_weights().items()},
+            lora=peft.peft_config[LIVE_ADAPTER] if peft is not None else None,
+            version=self.backend.version,
+            params=self.live.params,
+            constrained=self.live.constrained,
+            seed=self.live.seed,
+            engine=self.config.rollout.backend,
+            engine_args=self.config.rollout.engine_args,
+            snapshots=self.run_dir / "snapshots" if self.pool is not None else None,
+        )
+
+    def close(self) -> None:
+        """End the rollout workers, if any."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def specs(self, iteration: int) -> list[EpisodeSpec]:
         """The iteration's episodes: kernels drawn by (seed, iteration); each kernel's crn group of
@@ -172,8 +229,10 @@ class Trainer:
         raise NotImplementedError
 
     def sync(self) -> None:
-        """After an update: the backend samples the learner's current weights from now on."""
+        """After an update: the backend (and every rollout worker) samples the learner's current weights."""
         self.backend.sync(self.learner.model)
+        if self.workers is not None:
+            self.workers.update(self.backend.version, self._live_weights())
 
     def advantages(self, batch: Batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, dict]:
         """Per-sample advantage (and critic target) tensors from the configured estimator."""
@@ -239,7 +298,11 @@ class Trainer:
         def fill(directory: Path) -> None:
             self.save_state(directory)
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
-            state = {"iterations_done": done, "estimator_state": self.estimator_state}
+            state = {
+                "iterations_done": done,
+                "estimator_state": self.estimator_state,
+                "policy_version": self.backend.version,
+            }
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
         return write_checkpoint(self.run_dir, done, fill, self.config.keep_checkpoints)
@@ -260,6 +323,8 @@ class Trainer:
         state = json.loads((path / "trainer_state.json").read_text())
         self.iteration = state["iterations_done"]
         self.estimator_state = state["estimator_state"]
+        self.sync()  # an engine with its own copy of the weights (vllm) samples the restored ones
+        self.backend.version = state.get("policy_version", 0)  # checkpoints written before versions: 0
 
     # the loop
 
@@ -280,5 +345,6 @@ class Trainer:
                 self.save_checkpoint(done)
             if on_line is not None:
                 on_line(line)
+        self.close()
         write_report(self.run_dir)
         return self.run_dir

@@ -336,7 +336,9 @@ class Learner:
             ent = torch.cat([scored.entropy[i] for i in idx])
             kl = losses.kl_penalty(logp, ref, algo.kl_estimator)
             terms = self.policy_loss(logp, old, adv, algo)
-            l_pg, clipped = terms.loss * torch.cat([batch.correction[i] for i in idx]), terms.clipped
+            # a batch the learner did not score carries no sampler log-probs to correct for
+            correction = torch.cat([batch.correction.get(i, torch.ones_like(scored.logp[i])) for i in idx])
+            l_pg, clipped = terms.loss * correction, terms.clipped
             if terms.kl_weights is not None:
                 kl = terms.kl_weights * kl
             loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from repertory.eval import rollout_metrics
-from repertory.rollout import run_episodes
 from repertory.store import write_episodes
 from repertory.system import peak_rss_mb
 from repertory.train.base import Trainer
@@ -35,7 +34,7 @@ class OnlineTrainer(Trainer):
             self.pool.take(iteration)
         start = time.perf_counter()
         generated_before = self.backend.stats.generated_tokens
-        episodes = run_episodes(self.specs(iteration), config.rollout.max_concurrent)
+        episodes = self.play(self.specs(iteration))
         rollout_s = time.perf_counter() - start
         generated = self.backend.stats.generated_tokens - generated_before
         write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from peft import get_peft_model_state_dict
+from safetensors.torch import save_file
 
 from repertory.agents import Agent
 from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.config import PoolConfig
+from repertory.models.checkpoints import load_adapter
 from repertory.types import RepertoryError, derive
 
 
@@ -49,14 +49,7 @@ class OpponentPool:
 
     def load(self, snap: int) -> str:
         """Load snapshot ``snap`` as an adapter of the policy model; returns the adapter's name."""
-        peft, name = self.peft, f"snapshot-{snap}"
-        # A new adapter draws its initial weights (overwritten below) from the global RNG; forking keeps
-        # a resumed run, which loads every snapshot at once, on the same random stream as a straight one.
-        with torch.random.fork_rng(devices=[]):
-            peft.add_adapter(name, peft.peft_config[LIVE_ADAPTER])
-        set_peft_model_state_dict(peft, load_file(str(self.directory / f"{snap:06d}.safetensors")), adapter_name=name)
-        peft.set_adapter(LIVE_ADAPTER)
-        return name
+        return load_adapter(self.peft, f"snapshot-{snap}", self.directory / f"{snap:06d}.safetensors", LIVE_ADAPTER)
 
     def serve(self, iteration: int) -> list[LMAgent]:
         """The snapshots served this iteration (a random subset of at most ``max_served``), loaded as adapters of

@@ -41,7 +41,6 @@ from repertory.envs.replay import replay
 from repertory.eval import rollout_metrics
 from repertory.generation import Generation, TokenTrie
 from repertory.models import LoadedModel, load_model
-from repertory.rollout import run_episodes
 from repertory.store import read_episodes, write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train.base import Trainer
@@ -219,7 +218,7 @@ class RoundsTrainer(Trainer):
             if episodes:  # kept with the run, so later rounds can replay them (ArCHer's buffer)
                 write_episodes(self.run_dir / "episodes" / "iter-000000.parquet", episodes)
             return turns, episodes
-        episodes = run_episodes(self.specs(round_index), self.config.rollout.max_concurrent)
+        episodes = self.play(self.specs(round_index))
         self.simulator_episodes += len(episodes)
         write_episodes(self.run_dir / "episodes" / f"iter-{round_index:06d}.parquet", episodes)
         return logged_turns(episodes, round_index, rounds.gamma), episodes

@@ -1,0 +1,220 @@
+"""Rollout and evaluation workers on Ray (``rollout.workers: N``, ``eval --workers N``).
+
+The episodes of one call are cut into N contiguous shards, one per Ray actor; each actor holds its own
+backend, environments and agents and plays its shard with the ordinary engine (:func:`run_episodes`).
+Agents travel as their specs (``tit-for-tat``, ``base``, ``model:PATH``, ``snapshot@K``...), which every
+actor resolves itself with :func:`~repertory.agents.resolve.make_agent`; ``live`` is the trainer's policy,
+rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`WorkerPool.update` after
+every learner update (the live adapter under LoRA, all weights otherwise), tagged with its version.
+
+Sampling seeds depend on episode, seat and turn only, so with the ``hf`` backend a sharded call plays the
+very episodes the in-process call plays. An actor that dies fails the whole call with its shard named, and
+nothing of the call is returned: the caller writes nothing, and a resumed run plays the iteration again.
+Snapshots (``snapshot@K``) are read from the run directory, which the actors must see (one machine, or a
+shared file system).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from repertory.agents import Agent, LMOptions
+from repertory.agents.lm import LIVE_ADAPTER, LMAgent
+from repertory.agents.resolve import LivePolicy, make_agent
+from repertory.envs import env_class
+from repertory.generation import SamplingParams, make_backend
+from repertory.models import LoadedModel
+from repertory.models.checkpoints import load_adapter
+from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.types import Episode, RepertoryError
+
+LIVE = "live"  # the spec of the trainer's live policy inside a worker
+
+
+@dataclass
+class LiveSource:
+    """What an actor needs to rebuild a trainer's live policy: the architecture, the weights under the adapters
+    (``base``), the live weights (the adapter's under LoRA, else the whole model's), the LoRA config (None
+    under full fine-tuning) and how the live agent samples."""
+
+    model_config: Any
+    tokenizer: Any
+    name: str
+    base: dict[str, torch.Tensor]
+    live: dict[str, torch.Tensor]
+    lora: Any
+    version: int
+    params: SamplingParams
+    constrained: bool
+    seed: int
+    engine: str = "hf"
+    engine_args: dict[str, Any] | None = None
+    snapshots: Path | None = None  # the run's snapshot directory, for snapshot@K
+
+
+class RolloutWorker:
+    """One actor: its own copy of the policy and its own agents; plays the shards it is sent."""
+
+    def __init__(
+        self,
+        env: str,
+        options: LMOptions,
+        live: LiveSource | None,
+        lineup: Callable[[], dict[str, Agent]] | None = None,
+    ):
+        self.env, self.options = env_class(env), options
+        self.live: LivePolicy | None = None
+        self.agents: dict[str, Agent] = dict(lineup()) if lineup is not None else {}
+        if live is not None:
+            self.live = self._rebuild(live)
+            self.agents[LIVE] = self.live.agent
+
+    @staticmethod
+    def _rebuild(source: LiveSource) -> LivePolicy:
+        from peft import get_peft_model, set_peft_model_state_dict
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(source.model_config, dtype=next(iter(source.base.values())).dtype)
+        model.load_state_dict(source.base, strict=False)
+        model.eval()
+        peft, reference = None, None
+        if source.lora is not None:
+            with torch.random.fork_rng(devices=[]):
+                peft = get_peft_model(model, copy.deepcopy(source.lora))
+            set_peft_model_state_dict(peft, source.live, adapter_name=LIVE_ADAPTER)
+        else:
+            reference = LoadedModel(copy.deepcopy(model), source.tokenizer, source.name)
+            model.load_state_dict(source.live)
+        loaded = LoadedModel(model, source.tokenizer, source.name, peft)
+        backend = make_backend(source.engine, loaded, **(source.engine_args or {}))
+        backend.version = source.version
+        agent = LMAgent(backend, "live", source.params, source.constrained, source.seed, policy_id="live")
+        snapshots = source.snapshots
+
+        def load_snapshot(k: int) -> str:
+            if snapshots is None or peft is None:
+                raise RepertoryError("snapshot@K needs a LoRA run with an opponent pool")
+            name = f"snapshot-{k}"
+            return name if name in peft.peft_config else load_adapter(peft, name, snapshots / f"{k:06d}.safetensors")
+
+        return LivePolicy(agent, peft, reference, load_snapshot, source.engine)
+
+    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the live policy's new weights (after a learner update) as version ``version``."""
+        if self.live is None:
+            raise RepertoryError("this worker has no live policy to update")
+        from peft import set_peft_model_state_dict
+
+        backend = self.live.agent.backend
+        if self.live.peft is not None:
+            set_peft_model_state_dict(self.live.peft, tensors, adapter_name=LIVE_ADAPTER)
+        else:
+            backend.model.load_state_dict(tensors)
+        backend.sync(backend.model)
+        backend.version = version
+
+    def agent(self, spec: str) -> Agent:
+        if spec not in self.agents:
+            self.agents[spec] = make_agent(spec, self.env, self.options, self.live)
+        return self.agents[spec]
+
+    def play(self, shard: list[tuple[EpisodeSpec, list[str]]], max_concurrent: int) -> list[Episode]:
+        """Play a shard: each episode's spec (without agents) and its seats' agent specs."""
+        specs = [replace(spec, agents=[self.agent(name) for name in names]) for spec, names in shard]
+        return run_episodes(specs, max_concurrent)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class WorkerPool:
+    """N Ray actors playing the shards of each call; Ray starts a local cluster unless ``RAY_ADDRESS`` names
+    one. ``lineup`` (picklable, called in every actor) builds agents under names of the caller's choosing,
+    for line-ups whose agents are not plain specs (evaluation's sampling options per agent)."""
+
+    def __init__(
+        self,
+        n: int,
+        env: str,
+        options: LMOptions | None = None,
+        live: LiveSource | None = None,
+        lineup: Callable[[], dict[str, Agent]] | None = None,
+        cpus_per_worker: float = 1,
+    ):
+        try:
+            import ray
+        except ImportError as error:
+            raise RepertoryError("workers need Ray: pip install 'repertory[ray]'") from error
+        if n < 1:
+            raise RepertoryError(f"workers must be at least 1 (got {n})")
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        actor = ray.remote(num_cpus=cpus_per_worker)(RolloutWorker)
+        source = ray.put(live) if live is not None else None
+        self.actors = [actor.remote(env, options or LMOptions(), source, lineup) for _ in range(n)]
+        ray.get([a.pid.remote() for a in self.actors])  # built, or the error of the first that failed
+
+    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Send the live policy's new weights to every actor."""
+        ref = self.ray.put({k: v.detach().cpu() for k, v in tensors.items()})
+        self._gather([a.update.remote(version, ref) for a in self.actors], "updating the policy", [])
+
+    def play(
+        self, specs: list[EpisodeSpec], spec_of: Callable[[Agent], str], max_concurrent: int = 256
+    ) -> list[Episode]:
+        """Play ``specs`` sharded over the actors (``spec_of(agent)`` names each seat's agent); episodes in spec
+        order. A dead actor raises with its shard named, and nothing of the call is returned."""
+        n = len(self.actors)
+        bounds = [len(specs) * k // n for k in range(n + 1)]
+        shards = [specs[bounds[k] : bounds[k + 1]] for k in range(n)]
+        refs = [
+            actor.play.remote([(replace(s, agents=[]), [spec_of(a) for a in s.agents]) for s in shard], max_concurrent)
+            for actor, shard in zip(self.actors, shards)
+        ]
+        results = self._gather(refs, "playing", shards)
+        return [episode for shard in results for episode in shard]
+
+    def _gather(self, refs: list[Any], doing: str, shards: list[list[EpisodeSpec]]) -> list[Any]:
+        out = []
+        for k, ref in enumerate(refs):
+            try:
+                out.append(self.ray.get(ref))
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as error:
+                shard = shards[k] if shards else []
+                episodes = f" episodes {shard[0].episode_id} to {shard[-1].episode_id}" if shard else ""
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise RepertoryError(
+                    f"worker {k} of {len(refs)} failed {doing}{episodes}: {first_line}; nothing of this call was kept"
+                ) from error
+        return out
+
+    def close(self) -> None:
+        """End the actors."""
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors = []
+
+
+def play(
+    specs: list[EpisodeSpec],
+    workers: WorkerPool | None,
+    names: dict[str, Agent],
+    max_concurrent: int = 64,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[Episode]:
+    """Play ``specs`` in this process, or over ``workers`` whose line-up calls these agents by ``names``."""
+    if workers is None:
+        return run_episodes(specs, max_concurrent, on_episode)
+    spec_of = {id(agent): name for name, agent in names.items()}
+    played = workers.play(specs, lambda agent: spec_of[id(agent)], max_concurrent)
+    for episode in played if on_episode is not None else []:
+        on_episode(episode)
+    return played
