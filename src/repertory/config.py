@@ -137,7 +137,7 @@ class AlgoConfig(EstimatorParams):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     mini_batches: int = Field(4, ge=1, description="Optimizer steps per epoch (the batch is split by sequence).")
     micro_batch_tokens: int = Field(
-        2048, ge=1, description="Padded tokens per forward pass (gradient accumulation); bounds activation memory."
+        1024, ge=1, description="Padded tokens per forward pass (gradient accumulation); bounds activation memory."
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
