@@ -57,12 +57,28 @@ def train(
     overrides: list[str] | None = typer.Option(None, "--set", help="Override a config key: --set algo.lr=1e-4."),
     resume: Path | None = typer.Option(None, "--resume", help="Continue this run from its newest complete checkpoint."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+    gpus: int = typer.Option(
+        1,
+        "--gpus",
+        help="Data-parallel learner over N processes, one GPU each with model.device=cuda (on a CPU: N processes).",
+    ),
 ) -> None:
     """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU).
     A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
+    import os
+    import sys
+
     from repertory.config import load_config
     from repertory.experiments import load_suite
-    from repertory.train import resume_run, start_run
+    from repertory.train import distributed, resume_run, start_run
+
+    if gpus < 1:
+        raise RepertoryError(f"--gpus must be at least 1 (got {gpus})")
+    if gpus > 1 and "WORLD_SIZE" not in os.environ:
+        distributed.relaunch(sys.argv[1:], gpus)
+    distributed.initialise()
+    quiet = quiet or not distributed.is_main()
+    show = out.print if distributed.is_main() else (lambda *args, **kwargs: None)  # process 0 speaks for all
 
     suite = load_suite(recipe) if recipe is not None and resume is None else None
     if suite is not None:
@@ -72,7 +88,7 @@ def train(
         if recipe is not None:
             raise RepertoryError("--resume continues a run with its own config; give no recipe (--set changes keys)")
         trainer = resume_run(resume, overrides)
-        out.print(f"resuming {resume} after iteration {trainer.iteration} of {trainer.config.iterations}")
+        show(f"resuming {resume} after iteration {trainer.iteration} of {trainer.config.iterations}")
     else:
         config = load_config(recipe or "default", overrides)
         trainer = start_run(config)
@@ -80,18 +96,20 @@ def train(
         episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
         model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
         if c.trainer == "rounds":
-            out.print(
+            show(
                 f"training {c.rounds.method} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
                 f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"
             )
         else:
-            out.print(
+            show(
                 f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
                 f"{c.iterations} iterations of {episodes} episodes -> {trainer.run_dir}"
             )
     on_line, progress = _train_progress(trainer, quiet)
     with progress:
         run_dir = trainer.fit(on_line)
+    if not distributed.is_main():
+        return
     out.print(f"run: {run_dir}")
     out.print(f"report: {run_dir / 'report'} (learning curves); metrics: {run_dir / 'metrics.jsonl'}")
     out.print(f"evaluate it: repertory eval {run_dir}")

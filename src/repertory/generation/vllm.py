@@ -46,12 +46,16 @@ from repertory.generation.core import (
 from repertory.models import LoadedModel, base_weights, save_checkpoint
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the row processor shares this process's registry
+# vLLM logs to stdout at INFO by default, which would interleave with `--json` output: stderr, warnings only
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from vllm import LLM  # noqa: E402
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.v1.sample.logits_processor import AdapterLogitsProcessor  # noqa: E402
+from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 ROW_KEY = "repertory_row"
 
@@ -73,22 +77,37 @@ _ROWS: dict[str, _Row] = {}
 _OPEN: set[int] = set()  # the backends whose engines run in this process
 
 
-class _RowProcessor(AdapterLogitsProcessor):
-    """Records each row's full-vocabulary normaliser, masks constrained rows to their trie, ends rows early."""
+def _row_state(params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> tuple[_Row, list[int]] | None:
+    key = (params.extra_args or {}).get(ROW_KEY)
+    row = _ROWS.get(key) if key is not None else None
+    return (row, output_ids) if row is not None else None  # output_ids: the engine's live list of the row
+
+
+class _RowProcessor(LogitsProcessor):
+    """Records each row's full-vocabulary normaliser, masks constrained rows to their trie, ends rows early.
+    The normalisers of the whole batch are one tensor operation (one device sync per step)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        self.rows: dict[int, tuple[_Row, list[int]]] = {}  # batch index -> (row, its output token ids)
 
     def is_argmax_invariant(self) -> bool:
         return False
 
-    def new_req_logits_processor(self, params: Any) -> Callable[[list[int], torch.Tensor], torch.Tensor] | None:
-        key = (params.extra_args or {}).get(ROW_KEY)
-        row = _ROWS.get(key) if key is not None else None
-        if row is None:
-            return None
+    def update_state(self, batch_update: Any) -> None:
+        process_dict_updates(self.rows, batch_update, _row_state)
 
-        def apply(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        indices = list(self.rows)
+        states = [self.rows[i] for i in indices]
+        index = torch.tensor(indices, device=logits.device)
+        temperature = torch.tensor([row.temperature for row, _ in states], device=logits.device)
+        normalisers = torch.logsumexp(logits[index].float() / temperature[:, None], dim=-1).tolist()
+        for i, (row, output_ids), normaliser in zip(indices, states, normalisers):
             step = len(output_ids)
             del row.lse[step:]
-            row.lse.append(float(torch.logsumexp(logits.float() / row.temperature, dim=-1)))
+            row.lse.append(normaliser)
             allowed: list[int] | None = None
             if row.trie is not None:
                 node: TokenTrie | None = row.trie
@@ -99,13 +118,11 @@ class _RowProcessor(AdapterLogitsProcessor):
             if row.enough is not None and step and step % ENOUGH_EVERY == 0 and row.enough(row.decode(output_ids)):
                 row.cut, allowed = step, [row.stop_id]
             if allowed is not None:
-                masked = torch.full_like(logits, float("-inf"))
-                index = torch.tensor(allowed, device=logits.device)
-                masked[index] = logits[index]
-                logits.copy_(masked)
-            return logits
-
-        return apply
+                keep = torch.tensor(allowed, device=logits.device)
+                kept = logits[i, keep].clone()
+                logits[i] = float("-inf")
+                logits[i, keep] = kept
+        return logits
 
 
 class VLLMBackend:
@@ -161,6 +178,8 @@ class VLLMBackend:
             lora = self.peft.peft_config[self.peft.active_adapter]
             args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=_lora_rank(lora.r))
         args.update(engine_args)
+        # Without OMP_NUM_THREADS vLLM drops this whole process (the learner too) to one torch thread.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         return LLM(**args)
 
     def constraint(self, choices: Sequence[str]) -> TokenTrie:

@@ -15,7 +15,10 @@ from repertory.config import TrainConfig, dump_config, load_config
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
 from repertory.runs import complete_checkpoints, new_run_dir, truncate_after
-from repertory.train import archer  # noqa: F401  (registers the archer and archer-lc round methods)
+from repertory.train import (
+    archer,  # noqa: F401  (registers the archer and archer-lc round methods)
+    distributed,
+)
 from repertory.train.base import TIMING_PREFIXES, Trainer
 from repertory.train.online import OnlineTrainer
 from repertory.train.rounds import ROUND_METHODS, RoundsTrainer
@@ -43,15 +46,20 @@ def check_names(config: TrainConfig) -> None:
 def build(config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None) -> Trainer:
     """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
     check_names(config)
+    if distributed.world_size() > 1 and (config.trainer != "online" or config.rollout.workers):
+        raise RepertoryError("data-parallel training (--gpus) runs trainer: online without rollout.workers")
     return TRAINERS[config.trainer](config, run_dir, loaded)
 
 
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
-    """Create the run directory, write the resolved config, build the trainer."""
-    run_dir = new_run_dir(config)
+    """Create the run directory (process 0 of data-parallel training), write the resolved config, build the
+    trainer."""
+    run_dir = distributed.broadcast(new_run_dir(config) if distributed.is_main() else None)
     trainer = build(config, run_dir, loaded)
-    (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    if distributed.is_main():
+        (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(config))
+    distributed.barrier()
     return trainer
 
 
@@ -65,13 +73,16 @@ def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: Loaded
     if not config_path.is_file():
         raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
     config = load_config(str(config_path), overrides)
-    if overrides:
+    distributed.barrier()  # every process read the config before process 0 rewrites it
+    if overrides and distributed.is_main():
         config_path.write_text(dump_config(config))
     trainer = build(config, run_dir, loaded)
     checkpoints = complete_checkpoints(run_dir)
     if checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
-    truncate_after(run_dir, trainer.iteration)
+    if distributed.is_main():
+        truncate_after(run_dir, trainer.iteration)
+    distributed.barrier()
     return trainer
 
 

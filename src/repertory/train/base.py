@@ -33,6 +33,7 @@ from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
 from repertory.runs import write_checkpoint
+from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.pool import OpponentPool
@@ -130,6 +131,10 @@ class Trainer:
     def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
         """Play an iteration's episodes: in this process, or sharded over ``rollout.workers`` Ray actors."""
         rollout = self.config.rollout
+        if distributed.world_size() > 1:  # data-parallel: each process plays its contiguous shard
+            n, k = distributed.world_size(), distributed.rank()
+            mine = run_episodes(specs[len(specs) * k // n : len(specs) * (k + 1) // n], rollout.max_concurrent)
+            return [episode for shard in distributed.gather(mine) for episode in shard]
         if not rollout.workers:
             return run_episodes(specs, rollout.max_concurrent)
         if self.workers is None:
@@ -332,19 +337,23 @@ class Trainer:
         """Run the remaining iterations; returns the run directory."""
         config = self.config
         metrics_path = self.run_dir / "metrics.jsonl"
+        main = distributed.is_main()  # in data-parallel training, process 0 writes the run directory
         for iteration in range(self.iteration, config.iterations):
             line = self.run_iteration(iteration)
             done = iteration + 1
-            if done == config.iterations and config.eval.episodes:
+            if done == config.iterations and config.eval.episodes and main:
                 final = self.evaluate(done)
                 line.update({f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")})
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            if main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
             self.iteration = done
-            if done % config.checkpoint_every == 0 or done == config.iterations:
+            if (done % config.checkpoint_every == 0 or done == config.iterations) and main:
                 self.save_checkpoint(done)
             if on_line is not None:
                 on_line(line)
         self.close()
-        write_report(self.run_dir)
+        if main:
+            write_report(self.run_dir)
+        distributed.barrier()
         return self.run_dir

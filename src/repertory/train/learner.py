@@ -27,6 +27,7 @@ from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.models import LoadedModel
 from repertory.models.packing import PackedSequence, model_inputs, token_batches
+from repertory.train import distributed
 from repertory.train.batch import Batch, Sample
 from repertory.train.heads import ValueModel, with_lora
 from repertory.types import derive
@@ -325,7 +326,8 @@ class Learner:
             total += n
         sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "loss/value": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(mini):
+        # data-parallel: each process takes its share of the micro-batches; the summed gradients are the whole's
+        for micro in self._micro_batches(mini)[distributed.rank() :: distributed.world_size()]:
             scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True)
             idx = [index for seq in micro for index, _ in seq.spans]
             w = torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx])
@@ -357,6 +359,8 @@ class Learner:
                 sums["kl"] += float((w * kl).sum())
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
+        distributed.sum_gradients(self.trainable_parameters())
+        sums = distributed.sum_values(sums)
         if len(self.optimizer.param_groups) > 1:
             # actor and critic are clipped separately, as separate optimisers would (docs/algorithms.md 2.7)
             sums["critic_grad_norm"] = float(

@@ -16,6 +16,7 @@ from typing import Any
 from repertory.eval import rollout_metrics
 from repertory.store import write_episodes
 from repertory.system import peak_rss_mb
+from repertory.train import distributed
 from repertory.train.base import Trainer
 from repertory.train.batch import collect
 from repertory.types import RepertoryError
@@ -28,16 +29,21 @@ class OnlineTrainer(Trainer):
         """Rollout, estimate, update; returns the iteration's metrics line."""
         config, algo = self.config, self.config.algo
         line: dict[str, Any] = {"iteration": iteration}
-        if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
+        every = config.eval.every
+        evaluating = config.eval.episodes and (iteration == 0 or (every and iteration % every == 0))
+        if evaluating and distributed.is_main():
             line.update(self.evaluate(iteration))
         if self.pool is not None and iteration % config.pool.snapshot_every == 0:
-            self.pool.take(iteration)
+            if distributed.is_main():
+                self.pool.take(iteration)
+            distributed.barrier()  # every process loads the snapshot file
         start = time.perf_counter()
         generated_before = self.backend.stats.generated_tokens
         episodes = self.play(self.specs(iteration))
         rollout_s = time.perf_counter() - start
         generated = self.backend.stats.generated_tokens - generated_before
-        write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
+        if distributed.is_main():
+            write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
         line.update(rollout_metrics(episodes))
         if self.pool is not None:
             line["pool/snapshots"] = len(self.pool.snapshots())

@@ -1,0 +1,70 @@
+"""Data-parallel training (``repertory train --gpus N``) on two CPU processes over Gloo: the same episodes,
+metrics and trained adapter as one process, and only process 0 writes the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_checkpoint
+from safetensors.torch import load_file
+
+from repertory.models import load_tokenizer
+from repertory.runs import complete_checkpoints
+from repertory.store import read_episodes
+from repertory.train import TIMING_PREFIXES
+
+pytestmark = pytest.mark.slow
+
+
+def _train(tmp_path, model, name, *extra):
+    argv = [sys.executable, "-m", "repertory", "train", "--quiet", *extra]
+    for key in (
+        f"output_dir={tmp_path}",
+        f"name={name}",
+        f"model.name={model}",
+        "iterations=2",
+        "rollout.constrained=true",
+        "rollout.kernels_per_iteration=2",
+        "rollout.episodes_per_kernel=2",
+        "eval.episodes=2",
+        "algo.lr=1e-2",
+        "algo.mini_batches=1",
+        "algo.micro_batch_tokens=256",  # several micro-batches per step, shared between the processes
+    ):
+        argv += ["--set", key]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted(tmp_path.glob(f"{name}*"))
+    assert len(runs) == 1, runs
+    return runs[0], done.stdout
+
+
+def test_two_processes_train_what_one_process_trains(tmp_path):
+    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
+    one, _ = _train(tmp_path, model, "one")
+    two, shown = _train(tmp_path, model, "two", "--gpus", "2")
+    assert shown.count("run: ") == 1  # process 0 speaks for both
+    for iteration in range(2):
+        a = read_episodes(one / "episodes" / f"iter-{iteration:06d}.parquet")
+        b = read_episodes(two / "episodes" / f"iter-{iteration:06d}.parquet")
+        assert [t.response_ids for ep in a for t in ep.turns] == [t.response_ids for ep in b for t in ep.turns]
+    lines = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)]
+    assert [line["iteration"] for line in lines[1]] == [0, 1]
+    for x, y in zip(*lines):
+        assert x.keys() == y.keys()
+        for key in x:
+            if not key.startswith(TIMING_PREFIXES):
+                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+    files = [complete_checkpoints(run)[-1] / "policy" / "adapter_model.safetensors" for run in (one, two)]
+    adapters = [load_file(str(f)) for f in files]
+    assert adapters[0].keys() == adapters[1].keys()
+    moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)
+    assert moved > 1e-4  # the policy did learn, so equal adapters mean equal updates
+    for k in adapters[0]:
+        assert torch.allclose(adapters[0][k], adapters[1][k], atol=1e-6), k
