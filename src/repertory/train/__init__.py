@@ -53,7 +53,8 @@ def build(config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None)
 
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
     """Create the run directory (process 0 of data-parallel training), write the resolved config, build the
-    trainer."""
+    trainer. Under a launcher (``WORLD_SIZE`` > 1) it joins the process group first."""
+    distributed.initialise()
     run_dir = distributed.broadcast(new_run_dir(config) if distributed.is_main() else None)
     trainer = build(config, run_dir, loaded)
     if distributed.is_main():
@@ -69,6 +70,7 @@ def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: Loaded
     Work after that checkpoint (a metrics line, an episodes file of the iteration in flight) is
     discarded so that the continued run equals an uninterrupted one.
     """
+    distributed.initialise()
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
