@@ -169,3 +169,13 @@ def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
     assert after.token_ids == fresh.token_ids and largest_gap(after.logprobs, fresh.logprobs) < TOL
     backend.close()
+
+
+def test_unknown_engine_options_and_engines_are_one_line_errors(tokenizer):
+    from repertory.types import RepertoryError
+
+    loaded = tiny(tokenizer, seed=1)
+    with pytest.raises(RepertoryError, match="the hf backend takes max_batch, prefix_cache_tokens, not 'gpu_memory"):
+        make_backend("hf", loaded, gpu_memory_utilization=0.5)
+    with pytest.raises(RepertoryError, match="unknown generation backend 'sglang'; known: hf, vllm"):
+        make_backend("sglang", loaded)

@@ -184,3 +184,10 @@ def test_bench_rollout_runs_both_engines_on_the_same_episodes(tmp_path, tokenize
     assert hf["turns"] == vllm["turns"] == 40 and hf["generation_calls"] == vllm["generation_calls"] == 10
     assert hf["generated_tokens"] == vllm["generated_tokens"] == 40 * 4  # no stop token in 4 random tokens
     assert vllm["start_seconds"] > 0 and vllm["over_hf"] == pytest.approx(vllm["tok_s"] / hf["tok_s"])
+
+
+def test_an_argument_vllm_does_not_know_is_a_one_line_error(tokenizer):
+    from repertory.types import RepertoryError
+
+    with pytest.raises(RepertoryError, match="rollout.engine_args: vLLM refused"):
+        make_backend("vllm", tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=1), max_batch=8)

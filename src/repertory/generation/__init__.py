@@ -14,8 +14,13 @@ from repertory.generation.core import Backend, Generation, GenerationStats, Samp
 from repertory.models import LoadedModel
 from repertory.types import RepertoryError
 
+HF_OPTIONS = ("max_batch", "prefix_cache_tokens")
+
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:
+    unknown = sorted(set(options) - set(HF_OPTIONS))
+    if unknown:
+        raise RepertoryError(f"rollout.engine_args: the hf backend takes {', '.join(HF_OPTIONS)}, not {unknown[0]!r}")
     # Imported when built, so that the protocol and its values stay importable without an engine.
     from repertory.generation.hf import HFBackend
 

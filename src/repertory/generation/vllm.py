@@ -44,6 +44,7 @@ from repertory.generation.core import (
     stop_token_ids,
 )
 from repertory.models import LoadedModel, base_weights, save_checkpoint
+from repertory.types import RepertoryError
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the row processor shares this process's registry
 # vLLM logs to stdout at INFO by default, which would interleave with `--json` output: stderr, warnings only
@@ -149,7 +150,11 @@ class VLLMBackend:
         self._loras: dict[str, LoRARequest] = {}
         self._asleep = False
         self._settings = (max_model_len, max_loras, engine_args)
-        self.llm = self._engine()
+        try:
+            self.llm = self._engine()
+        except BaseException:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
         _OPEN.add(id(self))
 
     def _engine(self) -> LLM:
@@ -180,7 +185,10 @@ class VLLMBackend:
         args.update(engine_args)
         # Without OMP_NUM_THREADS vLLM drops this whole process (the learner too) to one torch thread.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-        return LLM(**args)
+        try:
+            return LLM(**args)
+        except TypeError as error:  # an argument vLLM does not know
+            raise RepertoryError(f"rollout.engine_args: vLLM refused the engine's arguments: {error}") from error
 
     def constraint(self, choices: Sequence[str]) -> TokenTrie:
         """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
