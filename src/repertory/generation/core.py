@@ -69,6 +69,30 @@ class TokenTrie:
         return root
 
 
+SYNCED = object()  # a row without an adapter choice: the synced policy as it is (under LoRA, its active adapter)
+
+
+class TokenizedChoices:
+    """What both engines share over a tokenizer: text of response tokens, and cached tries of finite answer
+    sets. A subclass sets ``tokenizer``, ``end_of_turn_id`` and ``_tries`` (an empty dict)."""
+
+    tokenizer: Any
+    end_of_turn_id: int
+    _tries: dict[tuple[str, ...], TokenTrie]
+
+    def constraint(self, choices: Sequence[str]) -> TokenTrie:
+        """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
+        key = tuple(choices)
+        if key not in self._tries:
+            encoded = [self.tokenizer.encode(c, add_special_tokens=False) + [self.end_of_turn_id] for c in key]
+            self._tries[key] = TokenTrie.build(encoded)
+        return self._tries[key]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of response tokens, without special tokens such as the end-of-turn token."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
 @dataclass
 class GenerationStats:
     """Counters over the backend's lifetime (for benchmarks and metrics)."""

@@ -35,9 +35,11 @@ from transformers.cache_utils import DynamicLayer
 
 from repertory.generation.core import (
     ENOUGH_EVERY,
+    SYNCED,
     Generation,
     GenerationStats,
     SamplingParams,
+    TokenizedChoices,
     TokenTrie,
     end_of_turn_id,
     stop_token_ids,
@@ -94,12 +96,11 @@ def _growing_cache() -> DynamicCache:
     return cache
 
 
-_SYNCED = object()  # rows without an adapter choice: the policy in whatever state the caller left it
 GROW_TOKENS = 128
 MIN_REUSE = 8
 
 
-class HFBackend:
+class HFBackend(TokenizedChoices):
     """Batched sampling with a transformers causal LM (CPU in float32, GPU in bfloat16)."""
 
     def __init__(self, loaded: LoadedModel, max_batch: int = 64, prefix_cache_tokens: int = 131072):
@@ -123,18 +124,6 @@ class HFBackend:
         """The token that closes an assistant turn (the one a constrained response ends with)."""
         return end_of_turn_id(self.tokenizer, self.stop_ids)
 
-    def constraint(self, choices: Sequence[str]) -> TokenTrie:
-        """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
-        key = tuple(choices)
-        if key not in self._tries:
-            encoded = [self.tokenizer.encode(c, add_special_tokens=False) + [self.end_of_turn_id] for c in key]
-            self._tries[key] = TokenTrie.build(encoded)
-        return self._tries[key]
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of response tokens, without special tokens such as the end-of-turn token."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -156,7 +145,7 @@ class HFBackend:
         enough = list(enough) if enough is not None else [None] * len(prompts)
         groups: dict[object, list[int]] = {}
         for i in range(len(prompts)):
-            groups.setdefault(adapters[i] if adapters is not None else _SYNCED, []).append(i)
+            groups.setdefault(adapters[i] if adapters is not None else SYNCED, []).append(i)
         out: list[Generation | None] = [None] * len(prompts)
         for adapter, rows in groups.items():
             order = sorted(rows, key=lambda i: len(prompts[i]))
@@ -179,7 +168,7 @@ class HFBackend:
     @contextlib.contextmanager
     def _sampling_with(self, adapter: object) -> Iterator[None]:
         """The PEFT model's adapter state for one group of rows (restored afterwards)."""
-        if adapter is _SYNCED:
+        if adapter is SYNCED:
             yield
             return
         if self.peft is None:

@@ -36,9 +36,11 @@ import torch
 
 from repertory.generation.core import (
     ENOUGH_EVERY,
+    SYNCED,
     Generation,
     GenerationStats,
     SamplingParams,
+    TokenizedChoices,
     TokenTrie,
     end_of_turn_id,
     stop_token_ids,
@@ -126,7 +128,7 @@ class _RowProcessor(LogitsProcessor):
         return logits
 
 
-class VLLMBackend:
+class VLLMBackend(TokenizedChoices):
     """The policy of ``loaded`` sampled by an in-process vLLM engine.
 
     ``engine_args`` go to ``vllm.LLM`` over these defaults: prefix caching on, eager mode on CPU (a compiled
@@ -190,18 +192,6 @@ class VLLMBackend:
         except TypeError as error:  # an argument vLLM does not know
             raise RepertoryError(f"rollout.engine_args: vLLM refused the engine's arguments: {error}") from error
 
-    def constraint(self, choices: Sequence[str]) -> TokenTrie:
-        """The (cached) token trie of a finite set of responses, each closed by the end-of-turn token."""
-        key = tuple(choices)
-        if key not in self._tries:
-            encoded = [self.tokenizer.encode(c, add_special_tokens=False) + [self.end_of_turn_id] for c in key]
-            self._tries[key] = TokenTrie.build(encoded)
-        return self._tries[key]
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of response tokens, without special tokens such as the end-of-turn token."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -237,7 +227,7 @@ class VLLMBackend:
                 )
                 for seed, key in zip(seeds, keys)
             ]
-            loras = [self._lora(adapters[i] if adapters is not None else _SYNCED) for i in range(n)]
+            loras = [self._lora(adapters[i] if adapters is not None else SYNCED) for i in range(n)]
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, lora_request=loras, use_tqdm=False
             )
@@ -263,10 +253,10 @@ class VLLMBackend:
     def _lora(self, adapter: object) -> LoRARequest | None:
         """The engine's request for a policy version: None is the base (adapters off)."""
         if self.peft is None:
-            if adapter is not _SYNCED and adapter is not None:
+            if adapter is not SYNCED and adapter is not None:
                 raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
             return None
-        name = self.peft.active_adapter if adapter is _SYNCED else adapter
+        name = self.peft.active_adapter if adapter is SYNCED else adapter
         if name is None:
             return None
         if name not in self.peft.peft_config:
@@ -344,7 +334,6 @@ class VLLMBackend:
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-_SYNCED = object()  # rows without an adapter choice: the synced policy as it is (under LoRA, its active adapter)
 
 
 def _lora_rank(r: int) -> int:
