@@ -41,10 +41,15 @@ def test_envs_table_and_json(capsys):
         "casino",
         "job-interview",
         "alliance",
+        "werewolf",
     ]
     assert all(r["roles"] == ["Alice", "Bob"] and r["trained_seat"] is None for r in rows[:3])
-    assert [r["trained_seat"] for r in rows[3:]] == ["vendor", "proposer", "A", "Camper A", "recruiter", "University"]
-    assert all(r["default_partner"] == "bot" and "bot" in r["bots"] for r in rows[3:])
+    assert [r["trained_seat"] for r in rows[3:9]] == ["vendor", "proposer", "A", "Camper A", "recruiter", "University"]
+    assert all(r["default_partner"] == "bot" and "bot" in r["bots"] for r in rows[3:9])
+    werewolf = rows[9]
+    assert werewolf["roles"] == [f"p{i}" for i in range(6)] and werewolf["teams"] == ["village", "wolves"]
+    assert werewolf["bots"] == ["random-legal", "heuristic"] and werewolf["default_partner"] == "self"
+    assert all(r["teams"] == [] for r in rows[:9])
     assert all(r["description"] for r in rows)
     code, out, _ = run(capsys, "envs")
     assert code == 0 and "trust-and-split" in out and "tit-for-tat" in out
@@ -140,5 +145,5 @@ def test_module_entry_point_exits_2_without_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split, craigslist, ultimatum, "
-        "deal-or-no-deal, casino, job-interview, alliance"
+        "deal-or-no-deal, casino, job-interview, alliance, werewolf"
     )

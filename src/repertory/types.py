@@ -29,12 +29,19 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+CHANNELS: tuple[str, ...] = ("public", "team", "private")
+"""Who else received a referee message: every player, the author's team, or the seat alone. Games
+that do not label their messages leave the channel empty."""
+
+
 @dataclass(frozen=True)
 class Message:
-    """One chat message as a seat sees it."""
+    """One chat message as a seat sees it; ``channel`` (one of :data:`CHANNELS`, or empty) says who
+    else was told the same."""
 
     role: ChatRole
     content: str
+    channel: str = ""
 
 
 @dataclass(frozen=True)

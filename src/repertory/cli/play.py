@@ -16,7 +16,7 @@ from repertory.cli.common import MODEL_HELP, SEAT_STYLES, agents_for, check_run_
 from repertory.envs import env_class, env_names
 from repertory.rollout import guarded_seats, run_episodes, schedule
 from repertory.store import EpisodeStore
-from repertory.types import Episode, RepertoryError
+from repertory.types import Episode, Message, RepertoryError
 
 if TYPE_CHECKING:
     from repertory.eval.crossplay import CrossPlay
@@ -31,6 +31,7 @@ def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list i
                 "name": c.name,
                 "roles": list(c.roles),
                 "role_labels": list(c.role_labels),
+                "teams": list(c.teams),
                 "bots": list(c.bots),
                 "trained_seat": c.default_trained_role if c.fixed_seat else None,
                 "default_partner": c.default_partner,
@@ -48,9 +49,10 @@ def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list i
     out.print(table)
 
 
-def _seen(name: str, content: str, style: str) -> Text:
-    """A message as the seat saw it, every line marked with the seat's name."""
-    prefix = f"  {name} sees │ "
+def _seen(name: str, message: Message, style: str) -> Text:
+    """A message as the seat saw it, every line marked with the seat's name (and its channel, if any)."""
+    prefix = f"  {name} sees{f' [{message.channel}]' if message.channel else ''} │ "
+    content = message.content
     lines = content.split("\n") or [""]
     text = Text()
     for i, line in enumerate(lines):
@@ -73,14 +75,14 @@ def _print_transcript(ep: Episode, full: bool) -> None:
                     Text(f"  [{name} sees the rules and private information; --full shows them]", style=f"dim {style}")
                 )
             else:
-                out.print(_seen(name, m.content, style))
+                out.print(_seen(name, m, style))
         line = Text(f"{name} ▸ ", style=f"bold {style}") + Text(turn.text)
         if turn.invalid:
             line += Text(f"  ✗ {turn.error}", style="red")
         out.print(line)
     for seat_id, messages in ep.final_observations.items():
         for m in messages:
-            out.print(_seen(names[seat_id], m.content, styles[seat_id]))
+            out.print(_seen(names[seat_id], m, styles[seat_id]))
     result = "  ".join(f"{n}: {r.points:g} points, outcome {r.outcome:.4f}" for n, r in ep.result.roles.items())
     out.print(Text(f"end: {ep.result.end_reason} · {result}", style="bold"))
 

@@ -12,6 +12,7 @@ from importlib import import_module
 
 from repertory.envs.base import Bot, Env, RoundGame
 from repertory.envs.kernels import generate_kernels, kernels_of, write_kernels
+from repertory.envs.phased import PhasedGame
 from repertory.types import Kernel, RepertoryError
 
 _BUILTIN: dict[str, str] = {
@@ -24,6 +25,7 @@ _BUILTIN: dict[str, str] = {
     "casino": "casino:Casino",
     "job-interview": "job_interview:JobInterview",
     "alliance": "alliance:Alliance",
+    "werewolf": "werewolf:Werewolf",
 }
 _REGISTRY: dict[str, type[Env]] = {}
 
@@ -72,6 +74,7 @@ def load_kernels(name: str, split: str) -> list[Kernel]:
 __all__ = [
     "Bot",
     "Env",
+    "PhasedGame",
     "RoundGame",
     "env_class",
     "env_names",

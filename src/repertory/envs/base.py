@@ -30,8 +30,13 @@ class Env(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    roles: ClassVar[tuple[str, ...]]
-    role_labels: ClassVar[tuple[str, ...]]
+    roles: tuple[str, ...]
+    """Seat display names in seat order. A game whose names come from the kernel (Werewolf) sets them on
+    the instance at ``reset`` (``seat_names``); the class value then holds generic names of the seats."""
+    role_labels: tuple[str, ...]
+    """The game-role label of each seat (trainers group by it); kernel-given games set it at ``reset``."""
+    teams: ClassVar[tuple[str, ...]] = ()
+    """Team names of a team game (Werewolf: village, wolves); empty where every seat plays for itself."""
     default_trained_role: ClassVar[str]
     bots: ClassVar[dict[str, Bot]] = {}
     unique_kernels: ClassVar[bool] = True
@@ -62,6 +67,21 @@ class Env(ABC):
         """Problems with a kernel's data (empty when valid)."""
         return []
 
+    @classmethod
+    def seat_names(cls, data: dict[str, Any]) -> tuple[str, ...]:
+        """The display names of a kernel's seats; fixed by the class unless a game draws them."""
+        return cls.roles
+
+    @classmethod
+    def seat_labels(cls, data: dict[str, Any]) -> tuple[str, ...]:
+        """The role label of each of a kernel's seats."""
+        return cls.role_labels
+
+    @classmethod
+    def seat_teams(cls, data: dict[str, Any]) -> tuple[str, ...]:
+        """The team of each of a kernel's seats in a team game (one of ``teams``); empty elsewhere."""
+        return ()
+
     def reset(self, kernel: Kernel, episode_seed: int) -> None:
         """Start a fresh episode of ``kernel``; every role's inbox starts with its system prompt."""
         if kernel.env != self.name:
@@ -71,6 +91,8 @@ class Env(ABC):
             raise ValueError(f"kernel {kernel.id} is invalid: {'; '.join(problems)}")
         self.kernel = kernel
         self.episode_seed = episode_seed
+        self.roles = self.seat_names(kernel.data)
+        self.role_labels = self.seat_labels(kernel.data)
         self._inbox = {r: [Message("system", self.system_prompt(r))] for r in self.roles}
         self.points = {r: Fraction(0) for r in self.roles}
         self.n_turns = {r: 0 for r in self.roles}
@@ -143,13 +165,13 @@ class Env(ABC):
         messages, self._inbox[role] = self._inbox[role], []
         return messages
 
-    def tell(self, role: str, text: str) -> None:
-        """Queue a user message for ``role``; consecutive notices are joined into one message."""
+    def tell(self, role: str, text: str, channel: str = "") -> None:
+        """Queue a user message for ``role``; consecutive notices on one channel are joined into one message."""
         inbox = self._inbox[role]
-        if inbox and inbox[-1].role == "user":
-            inbox[-1] = Message("user", inbox[-1].content + "\n" + text)
+        if inbox and inbox[-1].role == "user" and inbox[-1].channel == channel:
+            inbox[-1] = Message("user", inbox[-1].content + "\n" + text, channel)
         else:
-            inbox.append(Message("user", text))
+            inbox.append(Message("user", text, channel))
 
     def validate(self, role: str, text: str) -> tuple[bool, str]:
         """Would ``text`` be a legal action for ``role`` now? Pure; never advances the state."""

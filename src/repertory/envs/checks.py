@@ -157,7 +157,7 @@ def check_env(
     kernels = check_kernels(env_class)
     played = []
     for lineup in chosen:
-        policy = bot_policy(dict(zip(env_class.roles, lineup)))
+        policy = bot_policy(lineup)
         for split in SPLITS:
             for i, kernel in enumerate(kernels[split][:episodes]):
                 episode_seed = derive("check_env", seed, *lineup, split, i)
@@ -166,7 +166,7 @@ def check_env(
                     _check_replay(env_class, episode)
                 played.append(episode)
     # The fuzzer borrows moves only from bots that fit the seat.
-    seat_bots = {role: sorted({lineup[i] for lineup in chosen}) for i, role in enumerate(env_class.roles)}
+    seat_bots = {i: sorted({lineup[i] for lineup in chosen}) for i in range(len(env_class.roles))}
     pool = kernels["train"] + kernels["heldout"]
     for j in range(examples):
         rng = random.Random(derive("check_env", env_class.name, seed, j))
@@ -305,11 +305,12 @@ def check_episode(
     roles each text gets a unique marker that no other role may ever see. ``bots_valid`` requires
     every action to be valid. Returns what was played.
     """
-    played = Played(kernel, episode_seed, observations={r: [] for r in env_class.roles})
+    played = Played(kernel, episode_seed)
     check = _Checker(env_class, played)
     played.env = env = env_class()
     check.call(f"reset({kernel.id}, {episode_seed})", env.reset, kernel, episode_seed)
     roles = list(env.roles)
+    played.observations = {r: [] for r in roles}
     rewards = {r: 0.0 for r in roles}
     turns = {r: 0 for r in roles}
     invalid = {r: 0 for r in roles}
@@ -553,9 +554,10 @@ def _strings(value: Any) -> Iterator[str]:
 
 def _replay(env_class: type[Env], played: Played) -> Played:
     """The same texts again on a fresh environment, observing as check_episode does (no result yet)."""
-    again = Played(played.kernel, played.episode_seed, observations={r: [] for r in env_class.roles})
+    again = Played(played.kernel, played.episode_seed)
     again.env = env = env_class()
     env.reset(played.kernel, played.episode_seed)
+    again.observations = {r: [] for r in env.roles}
     for texts in played.texts:
         for role in env.acting_roles():
             again.observations[role] += env.observe(role)
@@ -566,7 +568,7 @@ def _replay(env_class: type[Env], played: Played) -> Played:
 def _check_replay(env_class: type[Env], played: Played) -> None:
     """The ``determinism`` property: the same texts again give the same observations, steps and result."""
     again = _replay(env_class, played)
-    for role in env_class.roles:
+    for role in again.env.roles:
         again.observations[role] += again.env.observe(role)
     for what, first, second in (
         ("observations", played.observations, again.observations),

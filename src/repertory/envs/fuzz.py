@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from repertory.envs.base import Env
 
@@ -56,19 +56,19 @@ def bot_text(env: Env, bot: str, role: str) -> str:
     return text
 
 
-def bot_policy(bot_of: dict[str, str]) -> Policy:
-    """Each role's text written by its bot in ``bot_of``."""
-    return lambda env, role: bot_text(env, bot_of[role], role)
+def bot_policy(lineup: Sequence[str]) -> Policy:
+    """Each role's text written by the bot ``lineup`` names for its seat."""
+    return lambda env, role: bot_text(env, lineup[env.seat_index(role)], role)
 
 
 class TextFuzzer:
     """Arbitrary text for a role: unicode noise, tag soup, and the role's valid moves (the tag examples
     of its system prompt, its bots' moves, its action choices), as they are or mutated.
-    ``seat_bots`` names the bots that fit each role (default: every bot fits every role)."""
+    ``seat_bots`` names the bots that fit each seat index (default: every bot fits every seat)."""
 
     KINDS = ("noise", "soup", "valid", "mutated", "edge")
 
-    def __init__(self, rng: random.Random, seat_bots: dict[str, list[str]] | None = None):
+    def __init__(self, rng: random.Random, seat_bots: dict[int, list[str]] | None = None):
         self.rng = rng
         self.seat_bots = seat_bots
         self.examples: dict[str, list[str]] = {}
@@ -121,7 +121,7 @@ class TextFuzzer:
         key = f"{env.kernel.id if env.kernel else ''}|{role}"
         if key not in self.examples:
             self.examples[key] = [m.group(0) for m in _TAG_EXAMPLE.finditer(env.system_prompt(role))]
-        bots = list(env.bots) if self.seat_bots is None else self.seat_bots.get(role, [])
+        bots = list(env.bots) if self.seat_bots is None else self.seat_bots.get(env.seat_index(role), [])
         sources = ["example"] * bool(self.examples[key]) + ["bot"] * bool(bots) + ["choice"]
         source = rng.choice(sources)
         if source == "bot":

@@ -24,7 +24,7 @@ from repertory.types import Action, Episode, Kernel, Message, RepertoryError, Re
 
 SCHEMA_VERSION = "1"
 
-MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("channel", pa.string())])
 _TURN = pa.struct(
     [
         ("seat_id", pa.string()),
@@ -103,7 +103,7 @@ class StoreError(RepertoryError):
 
 
 def _messages(messages: list[Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [{"role": m.role, "content": m.content, "channel": m.channel} for m in messages]
 
 
 def _episode_row(ep: Episode) -> dict[str, Any]:
@@ -147,7 +147,8 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
 
 
 def _unmessages(rows: list[dict[str, str]]) -> list[Message]:
-    return [Message(r["role"], r["content"]) for r in rows]  # type: ignore[arg-type]
+    # Files written before channels were recorded have none.
+    return [Message(r["role"], r["content"], r.get("channel") or "") for r in rows]  # type: ignore[arg-type]
 
 
 def _row_episode(row: dict[str, Any]) -> Episode:

@@ -68,7 +68,7 @@ def write_turns(path: str | Path, turns: Iterable[LoggedTurn]) -> Path:
     rows = []
     for turn in turns:
         row = {name: getattr(turn, name) for name in TURN_SCHEMA.names}
-        row["messages"] = [{"role": m.role, "content": m.content} for m in turn.messages]
+        row["messages"] = [{"role": m.role, "content": m.content, "channel": m.channel} for m in turn.messages]
         rows.append(row)
     return write_table(path, pa.Table.from_pylist(rows, schema=TURN_SCHEMA))
 
@@ -128,7 +128,7 @@ def load_turns(path: str | Path, gamma: float, vocabulary: int, render: Render) 
         t = int(row["t"])
         if not 0 <= t <= T:
             raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
-        messages = [Message(m["role"], m["content"]) for m in row.get("messages") or []]
+        messages = [Message(m["role"], m["content"], m.get("channel") or "") for m in row.get("messages") or []]
         if has_ids and row.get("prompt_ids") and row.get("response_ids"):
             prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
             if not all(0 <= i < vocabulary for i in prompt + response):
