@@ -9,7 +9,7 @@ episodes. Each episode owns its environment instance; nothing is shared between 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from repertory.agents import Agent, Request, Response, is_model
@@ -176,12 +176,24 @@ def run_episodes(
     return [finished[i] for i in sorted(finished)]
 
 
-def guarded_seats(env: type[Env], agents: list[Agent], trained_seat: int) -> list[bool]:
+def agent_seats(env: type[Env], kernel: Kernel, index: int) -> list[int]:
+    """The seats one agent facing an opponent takes in game ``index``: the trained seat where the game fixes
+    one (negotiations); in a team game every seat of team ``index`` mod teams (on ``kernel``'s deal);
+    elsewhere seat ``index`` mod seats. Consecutive games thus cover every seat or team in turn."""
+    if env.fixed_seat:
+        return [env.roles.index(env.default_trained_role)]
+    if env.teams:
+        team = env.teams[index % len(env.teams)]
+        return [s for s, t in enumerate(env.seat_teams(kernel.data)) if t == team]
+    return [index % len(env.roles)]
+
+
+def guarded_seats(env: type[Env], agents: list[Agent], trained: Collection[int]) -> list[bool]:
     """The seats the partner guard watches (docs/environments.md 1.6): in games with a private limit to
-    protect, every seat but the trained one that a model fills; never a bot, script or person."""
+    protect, every seat but the trained ones that a model fills; never a bot, script or person."""
     if not env.guarded_limit:
         return []
-    return [seat != trained_seat and is_model(agent) for seat, agent in enumerate(agents)]
+    return [seat not in trained and is_model(agent) for seat, agent in enumerate(agents)]
 
 
 def _act(agent: Agent, requests: list[Request]) -> list[Response]:

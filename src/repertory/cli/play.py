@@ -153,7 +153,7 @@ def play(
     lineup = schedule(env, [built[s] for s in specs], episodes, seed, split, kernel)
     trained = cls.roles.index(cls.default_trained_role)
     for spec in lineup:
-        spec.guarded = guarded_seats(cls, spec.agents, trained) if guard else []
+        spec.guarded = guarded_seats(cls, spec.agents, [trained]) if guard else []
     played = run_episodes(lineup)
     if as_json:
         for ep in played:

@@ -16,8 +16,8 @@ from repertory.agents import Agent, LMOptions
 from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
-from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, guarded_seats, schedule
+from repertory.envs import env_class
+from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
 from repertory.types import Episode, RepertoryError, RoleResult
@@ -94,7 +94,10 @@ class Evaluation:
     invalid_rate: float
     metrics: dict[str, float]
     gamma: float = DISCOUNT
+    teams: dict[str, TeamStats] = field(default_factory=dict)
     played: list[Episode] = field(default_factory=list, repr=False)
+    seats: list[list[int]] = field(default_factory=list, repr=False)
+    """The seats the agent held in each played game."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -113,7 +116,61 @@ class Evaluation:
             "gamma": self.gamma,
             "invalid_rate": self.invalid_rate,
             "metrics": self.metrics,
+            **({"teams": {t: stats.to_json() for t, stats in self.teams.items()}} if self.teams else {}),
         }
+
+
+@dataclass
+class TeamStats:
+    """One team's record in a team game, over the games the agent played on it: win rate and draws with
+    standard errors, the agent's invalid rate on that team, and the environment's metrics of those games."""
+
+    team: str
+    episodes: int
+    win_rate: tuple[float, float]
+    draw_rate: tuple[float, float]
+    invalid_rate: float
+    metrics: dict[str, float]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "episodes": self.episodes,
+            "win_rate": self.win_rate[0],
+            "win_rate_se": self.win_rate[1],
+            "draw_rate": self.draw_rate[0],
+            "draw_rate_se": self.draw_rate[1],
+            "invalid_rate": self.invalid_rate,
+            "metrics": self.metrics,
+        }
+
+
+def team_stats(episodes: list[Episode], seats: list[list[int]]) -> dict[str, TeamStats]:
+    """Per team, the record of the games in which ``seats[i]`` of game i (the agent's) played on it; a
+    self-play game counts for every team. Empty for games without teams."""
+    if not episodes or not env_class(episodes[0].env).teams:
+        return {}
+    cls = env_class(episodes[0].env)
+    out = {}
+    for name in cls.teams:
+        games, invalid, turns = [], 0, 0
+        for ep, own in zip(episodes, seats):
+            team_of = cls.seat_teams(ep.kernel.data)
+            mine = [s for s in own if team_of[s] == name]
+            if not mine:
+                continue
+            games.append(ep)
+            invalid += sum(ep.result.roles[ep.seats[s].name].n_invalid for s in mine)
+            turns += sum(ep.result.roles[ep.seats[s].name].n_turns for s in mine)
+        if games:
+            out[name] = TeamStats(
+                team=name,
+                episodes=len(games),
+                win_rate=mean_se([float(ep.result.info.get("winner") == name) for ep in games]),
+                draw_rate=mean_se([float(ep.result.info.get("winner") == "draw") for ep in games]),
+                invalid_rate=invalid / turns if turns else 0.0,
+                metrics=mean_metrics(games),
+            )
+    return out
 
 
 def evaluate(
@@ -129,26 +186,35 @@ def evaluate(
     workers: WorkerPool | None = None,
 ) -> Evaluation:
     """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
-    opponent, the agent sits in the game's trained seat where the game fixes one (negotiations),
-    else takes each seat in turn (episode i: seat i mod seats); an opponent that is a model is
-    watched by the partner guard. Scores count the agent's seats only. At most ``max_concurrent``
-    games run at once, so that every running seat's chat stays in the generation prefix cache; with
-    ``workers`` (line-up :func:`evaluation_agents`) the games are sharded over Ray actors."""
+    opponent, the agent sits in the game's trained seat where the game fixes one (negotiations); in a
+    team game it plays each team in turn on the same kernel and seed (``episodes`` rounds up to a
+    multiple of the teams); else it takes each seat in turn (episode i: seat i mod seats). An opponent
+    that is a model is watched by the partner guard. Scores count the agent's seats only. At most
+    ``max_concurrent`` games run at once, so that every running seat's chat stays in the generation
+    prefix cache; with ``workers`` (line-up :func:`evaluation_agents`) the games are sharded over Ray actors."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
     n_seats = len(cls.roles)
+    paired = len(cls.teams) if opponent is not None and cls.teams else 1
+    games = schedule(env, [agent] * n_seats, -(-episodes // paired), seed, split, iteration=iteration)
     specs: list[EpisodeSpec] = []
-    for i, spec in enumerate(schedule(env, [agent] * n_seats, episodes, seed, split, iteration=iteration)):
-        spec.episode_id = f"{spec.episode_id}/eval-{agent.name}"
-        if opponent is not None:
-            live = agent_seat(cls, i)
-            spec.agents = [agent if s == live else opponent for s in range(n_seats)]
-            spec.guarded = guarded_seats(cls, spec.agents, live)
-        specs.append(spec)
+    seats: list[list[int]] = []
+    for game in games:
+        for side in range(paired):
+            spec = replace(game, agents=list(game.agents), episode_id=f"{game.episode_id}/eval-{agent.name}")
+            own = list(range(n_seats))
+            if opponent is not None:
+                own = agent_seats(cls, spec.kernel, len(specs))
+                spec.agents = [agent if s in own else opponent for s in range(n_seats)]
+                spec.guarded = guarded_seats(cls, spec.agents, own)
+            if paired > 1:
+                spec.episode_id += f"/{cls.teams[side]}"
+            specs.append(spec)
+            seats.append(own)
     names = {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}
     played = play(specs, workers, names, max_concurrent)
-    scores = seat_scores(played, lambda i, s: opponent is None or s == agent_seat(cls, i), gamma)
+    scores = seat_scores(played, lambda i, s: s in seats[i], gamma)
     return Evaluation(
         env=env,
         agent=agent.name,
@@ -161,7 +227,9 @@ def evaluate(
         gamma=gamma,
         invalid_rate=scores.invalid_rate,
         metrics=mean_metrics(played),
+        teams=team_stats(played, seats),
         played=played,
+        seats=seats,
     )
 
 
@@ -184,16 +252,8 @@ def partner_outcome(result: Evaluation) -> tuple[float, float]:
     """Mean outcome (and standard error) of the opponent's seats in an evaluation against an opponent."""
     if result.opponent == "self":
         raise RepertoryError("a self-play evaluation has no partner")
-    cls = env_class(result.env)
-    scores = seat_scores(result.played, lambda i, s: s != agent_seat(cls, i))
+    scores = seat_scores(result.played, lambda i, s: s not in result.seats[i])
     return mean_se([x for v in scores.outcomes.values() for x in v])
-
-
-def agent_seat(env: type[Env], episode_index: int) -> int:
-    """The seat a single agent facing an opponent takes in an episode (see ``evaluate``)."""
-    if env.fixed_seat:
-        return env.roles.index(env.default_trained_role)
-    return episode_index % len(env.roles)
 
 
 def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = DISCOUNT) -> SeatScores:

@@ -105,7 +105,7 @@ def crossplay(
     for a, b in pairs:
         for spec in schedule(env, [agents[a], agents[b]], episodes, seed, split):
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
-            spec.guarded = guarded_seats(cls, spec.agents, trained)
+            spec.guarded = guarded_seats(cls, spec.agents, [trained])
             specs.append(spec)
     played = play(specs, workers, agents, max_concurrent, on_episode)
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}

@@ -27,11 +27,11 @@ from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels
-from repertory.eval import DISCOUNT, agent_seat, evaluate
+from repertory.eval import DISCOUNT, evaluate
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
-from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes
+from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
 from repertory.runs import write_checkpoint
 from repertory.train import distributed
 from repertory.train.batch import Batch
@@ -199,21 +199,20 @@ class Trainer:
         for g, kernel in enumerate(kernels):
             for _ in range(rollout.episodes_per_kernel):
                 i = len(specs)
-                if self.pool is not None:
-                    live_seat = g % n_seats  # 7.5: the trained seat alternates between crn groups
-                    opponent = self.pool.draw(served, iteration, i)
-                    agents: list[Agent] = [self.live if s == live_seat else opponent for s in range(n_seats)]
-                    trainable = [s == live_seat for s in range(n_seats)]
-                    guarded = guarded_seats(self.env, agents, live_seat)
-                elif self.opponent is None:
-                    agents = [self.live] * n_seats
+                if self.opponent is None and self.pool is None:
+                    agents: list[Agent] = [self.live] * n_seats
                     trainable = [True] * n_seats
                     guarded = []
                 else:
-                    live_seat = agent_seat(self.env, i)
-                    agents = [self.live if s == live_seat else self.opponent for s in range(n_seats)]
-                    trainable = [s == live_seat for s in range(n_seats)]
-                    guarded = guarded_seats(self.env, agents, live_seat)
+                    if self.pool is not None:
+                        # 7.5: the trained seat (a team, in team games) alternates between crn groups.
+                        live = agent_seats(self.env, kernel, g) if self.env.teams else [g % n_seats]
+                        opponent = self.pool.draw(served, iteration, i)
+                    else:
+                        live, opponent = agent_seats(self.env, kernel, i), self.opponent
+                    agents = [self.live if s in live else opponent for s in range(n_seats)]
+                    trainable = [s in live for s in range(n_seats)]
+                    guarded = guarded_seats(self.env, agents, live)
                 specs.append(
                     EpisodeSpec(
                         episode_id=f"{rollout.env}/s{self.config.seed}/i{iteration}/{i:05d}",
