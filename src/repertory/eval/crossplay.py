@@ -1,10 +1,13 @@
 """Cross-play tournaments among any set of agents and their game-theoretic summary (docs/algorithms.md 8.2, 8.4).
 
-In cross-play every ordered pair (row agent in the first seat, column agent in the second) plays the same
-kernels with the same episode seeds, so differences between cells come from the agents alone. All pairs run
-through the rollout engine together: one batched call per agent per tick. ``crossplay_report`` turns a
-cross-play into the outcome matrix M and welfare matrix W over both seat orders, Bradley-Terry ratings,
-cooperation metrics per agent and, in the prisoner's dilemma, the classic strategy each agent plays most like.
+Cross-play sets two sides against each other: the seats of a two-seat game, or the teams of a team game
+(every seat of a team goes to one agent). Every ordered pair (row agent on the first side, column agent on the
+second) plays the same kernels with the same episode seeds, so differences between cells come from the agents
+alone, and cells (a, b) and (b, a) play each game with the sides swapped. All pairs run through the rollout
+engine together: one batched call per agent per tick. ``crossplay_report`` turns a cross-play into the
+outcome matrix M and welfare matrix W over both side assignments, Bradley-Terry ratings, metrics per agent
+(cooperation, or each team's record) and, in the prisoner's dilemma, the classic strategy each agent plays
+most like.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from dataclasses import dataclass, field
 from repertory.agents import Agent, LMOptions
 from repertory.agents.resolve import make_agent
 from repertory.envs import Env, env_class
-from repertory.eval import PairResult, summarize
+from repertory.eval import PairResult, TeamStats, discounted, mean_metrics, summarize, team_stats
 from repertory.rollout import guarded_seats, schedule
 from repertory.stats import mean_se
-from repertory.types import Episode, RepertoryError
+from repertory.types import Episode, Kernel, RepertoryError, RoleResult
 from repertory.workers import WorkerPool, play
 
 Matrix = dict[str, dict[str, tuple[float, float]]]
@@ -41,11 +44,33 @@ repeats its move after the partner cooperated and switches after it defected."""
 
 
 
+def sides(env: type[Env]) -> tuple[str, ...]:
+    """The sides cross-play sets against each other: the teams of a team game, else the seats (roles)."""
+    return env.teams or env.roles
+
+
+def side_seats(env: type[Env], kernel: Kernel, side: int) -> list[int]:
+    """The seat indices of side ``side`` on ``kernel``: that seat, or every seat the kernel deals to that team."""
+    if not env.teams:
+        return [side]
+    return [s for s, team in enumerate(env.seat_teams(kernel.data)) if team == env.teams[side]]
+
+
+def check_sides(env: type[Env]) -> None:
+    """Cross-play needs exactly two sides: a two-seat game or a game of two teams."""
+    if len(sides(env)) != 2:
+        kind = "teams" if env.teams else "seats"
+        raise RepertoryError(
+            f"cross-play needs a two-seat or two-team environment; {env.name} has {len(sides(env))} {kind}"
+        )
+
+
 @dataclass
 class CrossPlay:
     """The cross-play matrix of one environment: ``cells[(row, col)]`` and per-agent mean outcome.
 
-    ``games[(row, col)]`` holds the episodes of a cell, the row agent in the first seat."""
+    ``games[(row, col)]`` holds the episodes of a cell, the row agent on the first side; in a team game a
+    cell's aggregates are per team (:func:`summarize_teams`)."""
 
     env: str
     agents: list[str]
@@ -53,35 +78,85 @@ class CrossPlay:
     episodes: list[Episode] = field(default_factory=list, repr=False)
     games: dict[tuple[str, str], list[Episode]] = field(default_factory=dict, repr=False)
 
-    def seats_of(self, agent: str) -> list[tuple[Episode, int]]:
-        """Every (episode, seat index) ``agent`` played, in either seat of any cell."""
+    def sides_of(self, agent: str) -> list[tuple[Episode, list[int]]]:
+        """Every (episode, seats of one side) ``agent`` played, on either side of any cell; a self-play
+        game once per side."""
+        cls = env_class(self.env)
         return [
-            (ep, seat)
+            (ep, side_seats(cls, ep.kernel, side))
             for pair, episodes in self.games.items()
-            for seat, name in enumerate(pair)
+            for side, name in enumerate(pair)
             if name == agent
             for ep in episodes
         ]
 
-    def meetings(self, a: str, b: str) -> list[tuple[Episode, list[int]]]:
-        """Every game between ``a`` and ``b`` with a's seats: the first in cell (a, b), the second in
-        cell (b, a), both in self-play."""
+    def seats_of(self, agent: str) -> list[tuple[Episode, int]]:
+        """Every (episode, seat index) ``agent`` played, on either side of any cell."""
+        return [(ep, seat) for ep, seats in self.sides_of(agent) for seat in seats]
+
+    def meetings(self, a: str, b: str) -> list[tuple[Episode, list[list[int]]]]:
+        """Every game between ``a`` and ``b`` with the seats of a's sides: the first in cell (a, b), the
+        second in cell (b, a), both in self-play."""
+        cls = env_class(self.env)
         if a == b:
-            return [(ep, [0, 1]) for ep in self.games[(a, a)]]
-        return [(ep, [0]) for ep in self.games[(a, b)]] + [(ep, [1]) for ep in self.games[(b, a)]]
+            return [(ep, [side_seats(cls, ep.kernel, side) for side in (0, 1)]) for ep in self.games[(a, a)]]
+        return [(ep, [side_seats(cls, ep.kernel, 0)]) for ep in self.games[(a, b)]] + [
+            (ep, [side_seats(cls, ep.kernel, 1)]) for ep in self.games[(b, a)]
+        ]
 
     def agent_outcome(self, agent: str) -> float:
-        """Mean outcome of ``agent`` over all its games, in either seat."""
-        values = [ep.result.roles[ep.seats[seat].name].outcome for ep, seat in self.seats_of(agent)]
+        """Mean outcome of ``agent`` over all its games, on either side; a side's outcome in a game is the
+        mean over its seats, so that each team weighs the same whatever its size."""
+        values = [side_outcome(ep, seats) for ep, seats in self.sides_of(agent)]
         return sum(values) / len(values)
 
+    def team_records(self, agent: str) -> dict[str, TeamStats]:
+        """Per team, ``agent``'s record over all its games on that team; empty for a two-seat game."""
+        played = self.sides_of(agent)
+        return team_stats([ep for ep, _ in played], [seats for _, seats in played])
+
     def to_json(self) -> dict[str, object]:
+        teams = {a: {t: r.to_json() for t, r in self.team_records(a).items()} for a in self.agents}
         return {
             "env": self.env,
             "agents": self.agents,
             "pairs": [cell.to_json() for cell in self.cells.values()],
             "mean_outcome": {a: self.agent_outcome(a) for a in self.agents},
+            **({"teams": teams} if env_class(self.env).teams else {}),
         }
+
+
+def side_outcome(ep: Episode, seats: list[int]) -> float:
+    """The mean outcome of ``seats`` in ``ep``."""
+    return sum(ep.result.roles[ep.seats[s].name].outcome for s in seats) / len(seats)
+
+
+def summarize_teams(env: type[Env], episodes: list[Episode]) -> PairResult:
+    """Aggregate episodes of a team game that share one agent per team, keyed by team (seat names change
+    with the kernel): the mean over games of the team's seats' mean points (its win rate), outcome and
+    discounted return, with standard errors, the team's invalid rate, and the games' metrics."""
+    roles = {
+        team: [[ep.result.roles[ep.seats[s].name] for s in side_seats(env, ep.kernel, side)] for ep in episodes]
+        for side, team in enumerate(env.teams)
+    }
+
+    def per_game(team: str, value: Callable[[RoleResult], float]) -> tuple[float, float]:
+        return mean_se([sum(map(value, game)) / len(game) for game in roles[team]])
+
+    def invalid_rate(team: str) -> float:
+        turns = sum(r.n_turns for game in roles[team] for r in game)
+        return sum(r.n_invalid for game in roles[team] for r in game) / turns if turns else 0.0
+
+    first = episodes[0]
+    return PairResult(
+        agents=[first.seats[side_seats(env, first.kernel, side)[0]].agent for side in range(len(env.teams))],
+        episodes=len(episodes),
+        points={t: per_game(t, lambda r: r.points) for t in env.teams},
+        outcome={t: per_game(t, lambda r: r.outcome) for t in env.teams},
+        discounted={t: per_game(t, discounted) for t in env.teams},
+        invalid_rate={t: invalid_rate(t) for t in env.teams},
+        metrics=mean_metrics(episodes),
+    )
 
 
 def crossplay(
@@ -94,22 +169,24 @@ def crossplay(
     max_concurrent: int = 64,
     workers: WorkerPool | None = None,
 ) -> CrossPlay:
-    """Play every ordered pair of two-seat line-ups from ``agents`` for ``episodes`` games each, at most
-    ``max_concurrent`` games at once so that every running seat's chat stays in the prefix cache."""
+    """Play every ordered pair of ``agents``, the row agent on the first side (seat or team) and the column
+    agent on the second, for ``episodes`` games each, at most ``max_concurrent`` games at once so that every
+    running seat's chat stays in the prefix cache."""
     cls = env_class(env)
-    if len(cls.roles) != 2:
-        raise RepertoryError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
+    check_sides(cls)
     pairs = [(a, b) for a in agents for b in agents]
     specs = []
     trained = cls.roles.index(cls.default_trained_role)
     for a, b in pairs:
-        for spec in schedule(env, [agents[a], agents[b]], episodes, seed, split):
+        for spec in schedule(env, [agents[a]] * len(cls.roles), episodes, seed, split):
+            row = side_seats(cls, spec.kernel, 0)
+            spec.agents = [agents[a] if s in row else agents[b] for s in range(len(cls.roles))]
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
             spec.guarded = guarded_seats(cls, spec.agents, [trained])
             specs.append(spec)
     played = play(specs, workers, agents, max_concurrent, on_episode)
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
-    cells = {pair: summarize(cell) for pair, cell in games.items()}
+    cells = {pair: summarize_teams(cls, cell) if cls.teams else summarize(cell) for pair, cell in games.items()}
     return CrossPlay(env, list(agents), cells, played, games)
 
 
