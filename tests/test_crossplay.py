@@ -16,18 +16,21 @@ from conftest import run_cli as run
 
 from repertory import cli
 from repertory.agents.resolve import make_agent
-from repertory.envs import env_class
+from repertory.envs import env_class, env_names
 from repertory.eval import summarize
 from repertory.eval.crossplay import (
     IPD_STRATEGIES,
     CrossPlay,
     bradley_terry,
+    check_sides,
     crossplay,
     crossplay_report,
     fit_ipd_strategy,
     ipd_moves,
 )
-from repertory.types import Episode, Kernel, Result, RoleResult, Seat
+from repertory.rollout import agent_seats
+from repertory.stats import mean_se
+from repertory.types import Episode, Kernel, RepertoryError, Result, RoleResult, Seat
 
 IPD_BOTS = ["always-cooperate", "always-defect", "tit-for-tat", "grim-trigger"]
 
@@ -408,3 +411,160 @@ def test_eval_crossplay_takes_run_directories_as_agents(capsys, tmp_path):
     (run_dir / "config.yaml").write_text("iterations: 1\n")
     code, out, err = run(capsys, "eval", "crossplay", "-e", "ipd", "-a", f"tit-for-tat,{run_dir}")
     assert code == 2 and err == f"error: run {run_dir} has no complete checkpoint yet\n"
+
+
+# --------------------------------------------------------------------------------------------
+# team games: one agent per team (werewolf)
+# --------------------------------------------------------------------------------------------
+
+H, R = "heuristic", "random-legal"
+
+
+def own_seats(ep: Episode, agent: str) -> list[int]:
+    return [s for s, seat in enumerate(ep.seats) if seat.agent == agent]
+
+
+def team_mean(ep: Episode, seats: list[int]) -> float:
+    return sum(ep.result.roles[ep.seats[s].name].outcome for s in seats) / len(seats)
+
+
+def team_seats(ep: Episode) -> list[list[int]]:
+    """The seats of the village and of the wolves, as this game's kernel deals them."""
+    cls = env_class(ep.env)
+    teams = cls.seat_teams(ep.kernel.data)
+    return [[s for s in range(len(teams)) if teams[s] == team] for team in cls.teams]
+
+
+@pytest.fixture(scope="module")
+def werewolf():
+    result = bots_crossplay("werewolf", [H, R], episodes=6)
+    return result, crossplay_report(result)
+
+
+def test_team_cells_pair_every_game_with_the_teams_swapped(werewolf):
+    result, _ = werewolf
+    cls = env_class("werewolf")
+    assert len(result.episodes) == 4 * 6 and all(len(cell) == 6 for cell in result.games.values())
+    for first, second, *self_play in zip(*(result.games[pair] for pair in ((H, R), (R, H), (H, H), (R, R)))):
+        same = {(ep.kernel.id, ep.episode_seed) for ep in (first, second, *self_play)}
+        assert len(same) == 1 and first.kernel.split == "heldout"
+        village, wolves = team_seats(first)
+        assert len(village) == 4 and len(wolves) == 2
+        # The row agent holds exactly the village's seats of this kernel's deal, the column agent the wolves'.
+        assert own_seats(first, H) == village and own_seats(first, R) == wolves
+        assert own_seats(second, R) == village and own_seats(second, H) == wolves
+        assert agent_seats(cls, first.kernel, 0) == village and agent_seats(cls, first.kernel, 1) == wolves
+        assert [s.name for s in first.seats] == list(cls.seat_names(first.kernel.data))
+    assert len({ep.kernel.id for ep in result.games[(H, R)]}) == 6
+
+
+def test_team_matrices_ratings_and_records_recomputed_from_the_episodes(werewolf):
+    result, report = werewolf
+    games = result.games
+    assert report.episodes == 6 and report.welfare is None and report.strategies is None
+    assert report.cooperation == {}
+    # M: the agent's mean seat outcome per game, on the village in (a, b) and the wolves in (b, a).
+    for a, b in ((H, R), (R, H)):
+        values = [team_mean(ep, own_seats(ep, a)) for ep in games[(a, b)] + games[(b, a)]]
+        assert report.outcome[a][b] == pytest.approx(mean_se(values), abs=1e-12)
+    # Self-play: both teams weigh the same, whatever their sizes (4 and 2 seats).
+    for a in (H, R):
+        values = [sum(team_mean(ep, seats) for seats in team_seats(ep)) / 2 for ep in games[(a, a)]]
+        assert report.outcome[a][a] == pytest.approx(mean_se(values), abs=1e-12)
+    cls = env_class("werewolf")
+
+    def wins(cell: list[Episode], team: str) -> float:
+        return sum(ep.result.info["winner"] == team for ep in cell) / len(cell)
+
+    # "Points" of a team game: the row agent's village win rate / the column agent's wolves win rate.
+    for pair, cell in games.items():
+        assert report.points[pair[0]][pair[1]] == pytest.approx({t: wins(cell, t) for t in cls.teams})
+        assert result.cells[pair].agents == list(pair) and result.cells[pair].episodes == 6
+        assert result.cells[pair].metrics["village_win"] == pytest.approx(wins(cell, "village"))
+    # Ratings score team wins: heuristic's village wins in (H, R) and wolves wins in (R, H), draws half.
+    score = sum({"village": 1.0, "draw": 0.5}.get(ep.result.info["winner"], 0.0) for ep in games[(H, R)])
+    score += sum({"wolves": 1.0, "draw": 0.5}.get(ep.result.info["winner"], 0.0) for ep in games[(R, H)])
+    assert report.ratings.score == pytest.approx({H: score, R: 12 - score})
+    assert report.ratings.games == {H: 12, R: 12}
+    # Records per team: 6 games against the other agent and 6 in self-play, on either team.
+    for a, b in ((H, R), (R, H)):
+        village = games[(a, b)] + games[(a, a)]
+        wolves = games[(b, a)] + games[(a, a)]
+        record = report.teams[a]
+        assert record["village"].episodes == record["wolves"].episodes == 12
+        assert record["village"].win_rate == pytest.approx(mean_se([wins([ep], "village") for ep in village]))
+        assert record["wolves"].win_rate == pytest.approx(mean_se([wins([ep], "wolves") for ep in wolves]))
+        assert record["wolves"].draw_rate[0] == pytest.approx(wins(wolves, "draw"))
+        survival = sum(ep.metrics["wolf_survival"] for ep in wolves) / 12
+        assert record["wolves"].metrics["wolf_survival"] == pytest.approx(survival)
+        assert record["village"].invalid_rate == 0.0
+    # The tournament's ranking weighs each (game, team) the agent played once.
+    played = [team_mean(ep, own_seats(ep, H)) for ep in games[(H, R)] + games[(R, H)]]
+    played += [team_mean(ep, seats) for ep in games[(H, H)] for seats in team_seats(ep)]
+    assert result.agent_outcome(H) == pytest.approx(sum(played) / len(played))
+
+
+def test_cross_play_needs_two_seats_or_two_teams():
+    trio = type("Trio", (), {"name": "trio", "teams": (), "roles": ("a", "b", "c")})
+    with pytest.raises(RepertoryError, match="needs a two-seat or two-team environment; trio has 3 seats"):
+        check_sides(trio)
+    factions = type("Factions", (), {"name": "factions", "teams": ("x", "y", "z"), "roles": tuple("abcdef")})
+    with pytest.raises(RepertoryError, match="factions has 3 teams"):
+        check_sides(factions)
+    check_sides(env_class("werewolf"))
+    check_sides(env_class("ipd"))
+
+
+def test_eval_crossplay_on_a_team_game(capsys, monkeypatch, werewolf):
+    code, out, err = run(capsys, "eval", "crossplay", "-e", "werewolf", "-a", f"{H},{R}", "-n", "6", "--json")
+    assert code == 0 and err == ""
+    data, (_, report) = json.loads(out), werewolf
+    for a in (H, R):
+        assert data["M"][a] == pytest.approx({b: m for b, (m, _) in report.outcome[a].items()})
+        assert data["M_se"][a] == pytest.approx({b: se for b, (_, se) in report.outcome[a].items()})
+        for b in (H, R):
+            assert data["points"][a][b] == pytest.approx(report.points[a][b])
+    assert data["W"] is None and data["cooperation"] == {} and data["strategies"] is None
+    assert set(data["teams"][H]) == {"village", "wolves"}
+    assert data["teams"][H]["village"]["win_rate"] == pytest.approx(report.teams[H]["village"].win_rate[0])
+    assert {"vote_accuracy", "seer_found", "wolf_survival"} <= set(data["teams"][R]["wolves"]["metrics"])
+    monkeypatch.setattr(cli.out, "width", 240)
+    code, out, err = run(capsys, "eval", "crossplay", "-e", "werewolf", "-a", f"{H},{R}", "-n", "6")
+    assert code == 0 and err == ""
+    assert "M, mean normalised outcome of row vs column (12 games, 6 on each team" in out
+    village, wolves = report.points[H][R]["village"], report.points[H][R]["wolves"]
+    assert "win rate, village (row) / wolves (column), 6 games per cell" in out
+    assert f"{village:.3f} / {wolves:.3f}" in out
+    assert "draw 0.5 on team wins" in out and "cooperation per agent" not in out
+    assert f"werewolf: {H} per team" in out and f"werewolf: {R} per team" in out
+    for column in ("win rate", "draws", "vote accuracy", "seer found", "wolf survival", "invalid"):
+        assert column in out
+
+
+def test_tournament_on_a_team_game(capsys, monkeypatch):
+    monkeypatch.setattr(cli.out, "width", 240)
+    code, out, err = run(capsys, "tournament", "--env", "werewolf", "-n", "2")
+    assert code == 0 and err == ""
+    assert "werewolf: win rate, village (row) / wolves (column)" in out
+    assert "mean outcome over all games, either team" in out
+    assert "werewolf: random-legal per team" in out and "werewolf: heuristic per team" in out
+    assert "seer found" in out and "wolf survival" in out
+    code, out, _ = run(capsys, "tournament", "--env", "werewolf", "-n", "2", "--json")
+    data = json.loads(out)
+    assert data["agents"] == [R, H] and len(data["pairs"]) == 4
+    result = bots_crossplay("werewolf", [R, H], episodes=2)
+    assert data["mean_outcome"] == pytest.approx({a: result.agent_outcome(a) for a in (R, H)})
+    for pair in data["pairs"]:
+        cell = result.cells[tuple(pair["agents"])]
+        assert pair["points"] == pytest.approx({t: m for t, (m, _) in cell.points.items()})
+        assert set(pair["points"]) == {"village", "wolves"}
+    assert data["teams"][H]["village"]["episodes"] == 4
+
+
+def test_tournament_over_every_environment_includes_the_team_game(capsys):
+    code, out, err = run(capsys, "tournament", "-n", "1", "--json")
+    assert code == 0 and err == ""
+    results = [json.loads(line) for line in out.splitlines()]
+    assert [r["env"] for r in results] == env_names()
+    [team_game] = [r for r in results if r["env"] == "werewolf"]
+    assert len(team_game["pairs"]) == 4 and set(team_game["teams"]) == {R, H}

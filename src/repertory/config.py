@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from repertory.algos import EstimatorParams
 from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
-from repertory.envs import env_class, env_names
+from repertory.envs import env_class, env_names, make
 from repertory.types import RepertoryError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -52,6 +52,11 @@ class RolloutConfig(_Section):
     """How each iteration's episodes are played."""
 
     env: str = Field("ipd", description="Environment name (see `repertory envs`).")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the environment's rules, e.g. {elimination_discount: 1.0} for Werewolf (no "
+        "discount for seats eliminated early).",
+    )
     opponent: str = Field(
         "self",
         description="'self' (the live policy in every seat, all trained), 'pool' (a past snapshot or a frozen copy "
@@ -89,6 +94,17 @@ class RolloutConfig(_Section):
         if env not in env_names():
             raise ValueError(f"unknown environment {env!r}; allowed: {', '.join(env_names())}")
         return env
+
+    @field_validator("env_options")
+    @classmethod
+    def _valid_env_options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        env = info.data.get("env")
+        if env is not None and options:
+            try:
+                make(env, **options)
+            except RepertoryError as exc:
+                raise ValueError(str(exc)) from None
+        return options
 
     @field_validator("opponent")
     @classmethod

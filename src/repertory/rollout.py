@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from repertory.agents import Agent, Request, Response, is_model
 from repertory.envs import Env, env_class, load_kernels, make
@@ -30,6 +31,7 @@ class EpisodeSpec:
     iteration: int = 0
     trainable: list[bool] = field(default_factory=list)
     guarded: list[bool] = field(default_factory=list)
+    env_options: dict[str, Any] = field(default_factory=dict)
 
 
 GUARD_RESAMPLES = 2
@@ -40,7 +42,7 @@ class _Running:
 
     def __init__(self, spec: EpisodeSpec):
         self.spec = spec
-        self.env = make(spec.env)
+        self.env = make(spec.env, **spec.env_options)
         if len(spec.agents) != len(self.env.roles):
             raise RepertoryError(
                 f"{spec.env} has {len(self.env.roles)} seats ({', '.join(self.env.roles)}), "

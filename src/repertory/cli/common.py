@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
+from rich.table import Table
 
 from repertory.agents import Agent, LMOptions
 from repertory.envs import env_class
 from repertory.types import SPLITS, RepertoryError
+
+if TYPE_CHECKING:
+    from repertory.eval import TeamStats
 
 out = Console(highlight=False, soft_wrap=True)
 SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
@@ -47,3 +53,19 @@ def lm_options(
 
 MODEL_HELP = "Model for `model` agents: the embedded SmolLM2-135M-Instruct, or a Hugging Face checkpoint directory."
 
+
+TEAM_METRICS = {"vote_accuracy": "vote accuracy", "seer_found": "seer found", "wolf_survival": "wolf survival"}
+
+
+def team_table(title: str, teams: dict[str, TeamStats]) -> Table:
+    """Per team: games, win rate and draws with standard errors, the game's team metrics, invalid rate."""
+    table = Table(title=title)
+    metrics = [k for k in TEAM_METRICS if any(k in t.metrics for t in teams.values())]
+    for column in ("team", "games", "win rate", "draws", *(TEAM_METRICS[k] for k in metrics), "invalid"):
+        table.add_column(column, justify="left" if column == "team" else "right")
+    for name, t in teams.items():
+        values = [f"{t.metrics[k]:.3f}" if k in t.metrics else "-" for k in metrics]
+        win, draw = t.win_rate, t.draw_rate
+        row = [name, str(t.episodes), f"{win[0]:.3f} ± {win[1]:.3f}", f"{draw[0]:.3f} ± {draw[1]:.3f}"]
+        table.add_row(*row, *values, f"{t.invalid_rate:.1%}")
+    return table

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.table import Table
 
-from repertory.cli.common import check_run_options, out
+from repertory.cli.common import check_run_options, out, team_table
 from repertory.envs import env_class
 from repertory.types import RepertoryError
 
@@ -31,17 +31,19 @@ def _matrix_table(title: str, agents: list[str], corner: str, cell: Callable[[st
 
 
 def _print_crossplay_report(report: CrossPlayReport) -> None:
-    from repertory.eval.crossplay import IPD_STRATEGIES, WELFARE
+    from repertory.eval.crossplay import IPD_STRATEGIES, WELFARE, sides
 
     agents, n = report.agents, report.episodes
-    first, second = env_class(report.env).roles
+    cls = env_class(report.env)
+    first, second = sides(cls)
+    each = "on each team" if cls.teams else "in each seat"
 
     def with_se(matrix: Matrix) -> Callable[[str, str], str]:
         return lambda a, b: f"{matrix[a][b][0]:.3f} ± {matrix[a][b][1]:.3f}"
 
     out.print(
         _matrix_table(
-            f"{report.env}: M, mean normalised outcome of row vs column ({2 * n} games, {n} in each seat; "
+            f"{report.env}: M, mean normalised outcome of row vs column ({2 * n} games, {n} {each}; "
             f"diagonal: self-play, {n} games)",
             agents,
             "row \\ column",
@@ -54,16 +56,18 @@ def _print_crossplay_report(report: CrossPlayReport) -> None:
                 f"{report.env}: W, mean normalised collective payoff ({WELFARE})", agents, "", with_se(report.welfare)
             )
         )
+    quantity, number = ("win rate", "{:.3f}") if cls.teams else ("mean points", "{:.4g}")
     out.print(
         _matrix_table(
-            f"{report.env}: mean points, {first} (row) / {second} (column), {n} games per cell",
+            f"{report.env}: {quantity}, {first} (row) / {second} (column), {n} games per cell",
             agents,
             f"{first} \\ {second}",
-            lambda a, b: f"{report.points[a][b][first]:.4g} / {report.points[a][b][second]:.4g}",
+            lambda a, b: f"{number.format(report.points[a][b][first])} / {number.format(report.points[a][b][second])}",
         )
     )
     ratings = report.ratings
-    table = Table(title=f"{report.env}: Bradley-Terry ratings (win 1, draw 0.5 on points; one virtual draw per pair)")
+    scored = "team wins" if cls.teams else "points"
+    table = Table(title=f"{report.env}: Bradley-Terry ratings (win 1, draw 0.5 on {scored}; one virtual draw per pair)")
     for column in ("agent", "rating", "score / games", *(() if ratings.connected else ("component",))):
         table.add_column(column, justify="left" if column == "agent" else "right")
     for agent in sorted(agents, key=lambda a: (ratings.component[a], -ratings.rating[a])):
@@ -73,14 +77,18 @@ def _print_crossplay_report(report: CrossPlayReport) -> None:
     out.print(table)
     for note in ratings.notes():
         out.print(f"note: {note}")
-    metrics = list(dict.fromkeys(key for values in report.cooperation.values() for key in values))
-    table = Table(title=f"{report.env}: cooperation per agent (mean over its games, either seat)")
-    table.add_column("agent")
-    for key in metrics:
-        table.add_column(key, justify="right")
-    for agent, values in report.cooperation.items():
-        table.add_row(agent, *(f"{values[k]:.3f}" if k in values else "-" for k in metrics))
-    out.print(table)
+    for agent, records in report.teams.items():
+        title = f"{report.env}: {agent} per team (all its games on each team, self-play included)"
+        out.print(team_table(title, records))
+    if report.cooperation:
+        metrics = list(dict.fromkeys(key for values in report.cooperation.values() for key in values))
+        table = Table(title=f"{report.env}: cooperation per agent (mean over its games, either seat)")
+        table.add_column("agent")
+        for key in metrics:
+            table.add_column(key, justify="right")
+        for agent, values in report.cooperation.items():
+            table.add_row(agent, *(f"{values[k]:.3f}" if k in values else "-" for k in metrics))
+        out.print(table)
     if report.strategies:
         table = Table(title=f"{report.env}: agreement of each agent's moves with classic strategies")
         table.add_column("agent")
@@ -282,10 +290,11 @@ def eval_command(
         table.add_column(column, justify="right" if column != "role" else "left")
     for role, (mean, se) in result.outcome.items():
         points, points_se = result.points[role]
-        games = sum(1 for ep in result.played for s in ep.seats if s.name == role and s.agent == agent.name)
-        table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(games))
+        table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(result.games[role]))
     table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
     out.print(table)
+    if result.teams:
+        out.print(team_table(f"{agent.name} per team ({env_name}, vs {result.opponent})", result.teams))
     out.print(
         f"expected discounted return (gamma {result.gamma} per own turn): "
         f"{result.discounted[0]:.3f} ± {result.discounted[1]:.3f}"

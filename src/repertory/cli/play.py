@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from repertory.agents import agent_names
-from repertory.cli.common import MODEL_HELP, SEAT_STYLES, agents_for, check_run_options, lm_options, out
+from repertory.cli.common import MODEL_HELP, SEAT_STYLES, agents_for, check_run_options, lm_options, out, team_table
 from repertory.envs import env_class, env_names
 from repertory.rollout import guarded_seats, run_episodes, schedule
 from repertory.store import EpisodeStore
@@ -169,8 +169,13 @@ def play(
 
 
 def _print_crossplay(result: CrossPlay) -> None:
-    first, second = env_class(result.env).roles
-    table = Table(title=f"{result.env}: mean points, {first} (row) / {second} (column)")
+    from repertory.eval.crossplay import sides
+
+    cls = env_class(result.env)
+    first, second = sides(cls)
+    # A team's points are its seats' team wins: a win rate.
+    quantity, number = ("win rate", "{:.3f}") if cls.teams else ("mean points", "{:.4g}")
+    table = Table(title=f"{result.env}: {quantity}, {first} (row) / {second} (column)")
     table.add_column(f"{first} \\ {second}")
     for agent in result.agents:
         table.add_column(agent, justify="center")
@@ -178,15 +183,19 @@ def _print_crossplay(result: CrossPlay) -> None:
         cells = []
         for col in result.agents:
             cell = result.cells[(row, col)]
-            cells.append(f"{cell.points[first][0]:.4g} / {cell.points[second][0]:.4g}")
+            cells.append(f"{number.format(cell.points[first][0])} / {number.format(cell.points[second][0])}")
         table.add_row(row, *cells)
     out.print(table)
-    ranking = Table(title=f"{result.env}: mean outcome over all games, either seat")
+    ranking = Table(title=f"{result.env}: mean outcome over all games, either {'team' if cls.teams else 'seat'}")
     ranking.add_column("agent")
     ranking.add_column("outcome", justify="right")
     for agent in sorted(result.agents, key=result.agent_outcome, reverse=True):
         ranking.add_row(agent, f"{result.agent_outcome(agent):.4f}")
     out.print(ranking)
+    if cls.teams:
+        for agent in result.agents:
+            title = f"{result.env}: {agent} per team (all its games on each team, self-play included)"
+            out.print(team_table(title, result.team_records(agent)))
 
 
 def tournament(

@@ -9,6 +9,7 @@ itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``
 from __future__ import annotations
 
 from importlib import import_module
+from typing import Any
 
 from repertory.envs.base import Bot, Env, RoundGame
 from repertory.envs.kernels import generate_kernels, kernels_of, write_kernels
@@ -60,9 +61,14 @@ def env_class(name: str) -> type[Env]:
         raise RepertoryError(f"unknown environment {name!r}; known: {', '.join(env_names())}") from None
 
 
-def make(name: str) -> Env:
-    """A fresh instance of the environment registered as ``name``."""
-    return env_class(name)()
+def make(name: str, **options: Any) -> Env:
+    """A fresh instance of the environment registered as ``name``, built with the game's ``options``
+    (Werewolf: ``elimination_discount``); an unknown or invalid option is a RepertoryError."""
+    cls = env_class(name)
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise RepertoryError(f"{name}: bad environment options {options}: {exc}") from None
 
 
 def load_kernels(name: str, split: str) -> list[Kernel]:

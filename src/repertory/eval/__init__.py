@@ -94,6 +94,8 @@ class Evaluation:
     invalid_rate: float
     metrics: dict[str, float]
     gamma: float = DISCOUNT
+    games: dict[str, int] = field(default_factory=dict)
+    """How many of the agent's seats each role's outcome averages."""
     teams: dict[str, TeamStats] = field(default_factory=dict)
     played: list[Episode] = field(default_factory=list, repr=False)
     seats: list[list[int]] = field(default_factory=list, repr=False)
@@ -114,6 +116,7 @@ class Evaluation:
             "discounted_return": self.discounted[0],
             "discounted_return_se": self.discounted[1],
             "gamma": self.gamma,
+            "games": self.games,
             "invalid_rate": self.invalid_rate,
             "metrics": self.metrics,
             **({"teams": {t: stats.to_json() for t, stats in self.teams.items()}} if self.teams else {}),
@@ -227,6 +230,7 @@ def evaluate(
         gamma=gamma,
         invalid_rate=scores.invalid_rate,
         metrics=mean_metrics(played),
+        games={r: len(v) for r, v in scores.outcomes.items()},
         teams=team_stats(played, seats),
         played=played,
         seats=seats,
@@ -235,7 +239,8 @@ def evaluate(
 
 @dataclass
 class SeatScores:
-    """Outcomes and points per role (display name) over the selected seats, and their invalid actions."""
+    """Outcomes and points per role (display name; game role in team games) over the selected seats, and
+    their invalid actions."""
 
     outcomes: dict[str, list[float]] = field(default_factory=dict)
     points: dict[str, list[float]] = field(default_factory=dict)
@@ -260,12 +265,15 @@ def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], g
     """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
     scores = SeatScores()
     for i, ep in enumerate(episodes):
+        # Team games deal roles to kernel-given names: score per game role (seer, witch, ...), not per name.
+        by_label = bool(env_class(ep.env).teams)
         for s, seat in enumerate(ep.seats):
             if not selected(i, s):
                 continue
             role = ep.result.roles[seat.name]
-            scores.outcomes.setdefault(seat.name, []).append(role.outcome)
-            scores.points.setdefault(seat.name, []).append(role.points)
+            key = seat.role if by_label else seat.name
+            scores.outcomes.setdefault(key, []).append(role.outcome)
+            scores.points.setdefault(key, []).append(role.points)
             scores.discounted.append(discounted(role, gamma))
             scores.invalid += role.n_invalid
             scores.turns += role.n_turns

@@ -116,14 +116,15 @@ class CrossPlay:
         return team_stats([ep for ep, _ in played], [seats for _, seats in played])
 
     def to_json(self) -> dict[str, object]:
-        teams = {a: {t: r.to_json() for t, r in self.team_records(a).items()} for a in self.agents}
-        return {
+        data: dict[str, object] = {
             "env": self.env,
             "agents": self.agents,
             "pairs": [cell.to_json() for cell in self.cells.values()],
             "mean_outcome": {a: self.agent_outcome(a) for a in self.agents},
-            **({"teams": teams} if env_class(self.env).teams else {}),
         }
+        if env_class(self.env).teams:
+            data["teams"] = {a: {t: r.to_json() for t, r in self.team_records(a).items()} for a in self.agents}
+        return data
 
 
 def side_outcome(ep: Episode, seats: list[int]) -> float:
@@ -429,11 +430,14 @@ def agent_metrics(result: CrossPlay, agent: str) -> dict[str, float]:
 class CrossPlayReport:
     """The game-theoretic summary of a cross-play (docs/algorithms.md 8.2, 8.4).
 
-    ``outcome`` is M: a's mean normalised outcome against b over both seat orders (a first in cell
-    (a, b), second in cell (b, a); the diagonal is self-play, both seats); ``welfare`` is W, the mean
-    normalised collective payoff of the same games (None where the game reports none); ``points[a][b]``
-    is the mean raw points per role of cell (a, b), a in the first seat. ``episodes`` counts games per
-    cell, so off-diagonal entries of M and W pool twice as many."""
+    ``outcome`` is M: a's mean normalised outcome against b over both side assignments (a on the first
+    side in cell (a, b), on the second in cell (b, a); the diagonal is self-play, both sides), a side's
+    outcome in a game being the mean over its seats; ``welfare`` is W, the mean normalised collective
+    payoff of the same games (None where the game reports none); ``points[a][b]`` is the mean raw points
+    per side of cell (a, b), a on the first side, which in a team game is each team's win rate.
+    ``episodes`` counts games per cell, so off-diagonal entries of M and W pool twice as many.
+    ``cooperation`` (two-seat games) or ``teams`` (team games: per agent and team, its record) holds the
+    metrics per agent."""
 
     env: str
     agents: list[str]
@@ -444,6 +448,7 @@ class CrossPlayReport:
     ratings: Ratings
     cooperation: dict[str, dict[str, float]]
     strategies: dict[str, StrategyFit] | None
+    teams: dict[str, dict[str, TeamStats]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         def means(matrix: Matrix) -> dict[str, dict[str, float]]:
@@ -452,6 +457,7 @@ class CrossPlayReport:
         def errors(matrix: Matrix) -> dict[str, dict[str, float]]:
             return {a: {b: se for b, (_, se) in row.items()} for a, row in matrix.items()}
 
+        teams = {a: {t: r.to_json() for t, r in records.items()} for a, records in self.teams.items()}
         return {
             "env": self.env,
             "agents": self.agents,
@@ -464,28 +470,35 @@ class CrossPlayReport:
             "ratings": self.ratings.to_json(),
             "cooperation": self.cooperation,
             "strategies": {a: fit.to_json() for a, fit in self.strategies.items()} if self.strategies else None,
+            **({"teams": teams} if teams else {}),
         }
 
 
 def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport:
-    """M, W, per-seat points, ratings anchored on ``anchor`` (when in the line-up), cooperation metrics
-    and, in the prisoner's dilemma, each agent's closest classic strategy."""
+    """M, W, per-side points, ratings anchored on ``anchor`` (when in the line-up), cooperation metrics (in a
+    team game each agent's record per team) and, in the prisoner's dilemma, each agent's closest classic
+    strategy. Ratings score a game by comparing points, or in a team game by which team won."""
     agents = result.agents
+    teams = env_class(result.env).teams
 
-    def matrix(value: Callable[[Episode, list[int]], float]) -> Matrix:
+    def matrix(value: Callable[[Episode, list[list[int]]], float]) -> Matrix:
         return {
             a: {b: mean_se([value(ep, seats) for ep, seats in result.meetings(a, b)]) for b in agents} for a in agents
         }
 
-    def outcome(ep: Episode, seats: list[int]) -> float:
-        return sum(ep.result.roles[ep.seats[s].name].outcome for s in seats) / len(seats)
+    def outcome(ep: Episode, sides: list[list[int]]) -> float:
+        return sum(side_outcome(ep, seats) for seats in sides) / len(sides)
+
+    def score(ep: Episode) -> float:
+        """The row agent's score: 1 for a win, 0.5 for a draw."""
+        if teams:
+            winner = ep.result.info["winner"]
+            return 1.0 if winner == teams[0] else 0.0 if winner == teams[1] else 0.5
+        first, second = (ep.result.roles[seat.name].points for seat in ep.seats)
+        return 1.0 if first > second else 0.5 if first == second else 0.0
 
     has_welfare = all(WELFARE in ep.metrics for ep in result.episodes)
-    games = []
-    for (a, b), episodes in result.games.items():
-        for ep in episodes:
-            first, second = (ep.result.roles[seat.name].points for seat in ep.seats)
-            games.append((a, b, 1.0 if first > second else 0.5 if first == second else 0.0))
+    games = [(a, b, score(ep)) for (a, b), episodes in result.games.items() for ep in episodes]
     strategies = None
     if result.env == "ipd":
         strategies = {a: fit_ipd_strategy(ipd_moves(ep, seat) for ep, seat in result.seats_of(a)) for a in agents}
@@ -497,8 +510,9 @@ def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport
         welfare=matrix(lambda ep, seats: ep.metrics[WELFARE]) if has_welfare else None,
         points={a: {b: {r: m for r, (m, _) in result.cells[(a, b)].points.items()} for b in agents} for a in agents},
         ratings=bradley_terry(agents, games, anchor=anchor),
-        cooperation={a: agent_metrics(result, a) for a in agents},
+        cooperation={} if teams else {a: agent_metrics(result, a) for a in agents},
         strategies=strategies,
+        teams={a: result.team_records(a) for a in agents} if teams else {},
     )
 
 
@@ -526,14 +540,14 @@ def lineup_agents(
 
 
 def lineup(specs: str | None, env: str | None) -> tuple[type[Env], list[str]]:
-    """The environment and agent names of ``--agents A,B,...``: at least two distinct names, a two-seat game."""
+    """The environment and agent names of ``--agents A,B,...``: at least two distinct names, a game of two
+    seats or two teams."""
     if not specs:
         raise RepertoryError("crossplay needs --agents, the line-up, for example --agents always-cooperate,base")
     if env is None:
         raise RepertoryError("crossplay needs --env, the environment the line-up plays")
     cls = env_class(env)
-    if len(cls.roles) != 2:
-        raise RepertoryError(f"cross-play needs a two-seat environment; {env} has {len(cls.roles)} seats")
+    check_sides(cls)
     names = [s.strip() for s in specs.split(",")]
     if not all(names):
         raise RepertoryError(f"--agents has an empty name: {specs!r}")

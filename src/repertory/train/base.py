@@ -224,6 +224,7 @@ class Trainer:
                         iteration=iteration,
                         trainable=trainable,
                         guarded=guarded,
+                        env_options=dict(rollout.env_options),
                     )
                 )
         return specs
