@@ -15,6 +15,7 @@ from repertory.envs import env_class, load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.envs.fuzz import TextFuzzer
 from repertory.envs.werewolf import Werewolf
+from repertory.eval import rollout_metrics
 from repertory.rollout import EpisodeSpec, agent_seats, run_episodes, schedule
 from repertory.train.batch import collect
 from repertory.types import Kernel, derive
@@ -315,3 +316,19 @@ def test_kernels_are_valid_deals():
     assert Werewolf.validate_kernel({"names": NAMES, "roles": ROLES[:-1] + ["seer"]})
     assert Werewolf.validate_kernel({"names": ["Ava"] * 6, "roles": ROLES})
     assert Werewolf.validate_kernel({"names": "Ava", "roles": None})
+
+
+def test_training_metrics_report_the_trained_teams_record():
+    bots = {name: BotAgent(name, Werewolf.bots[name]) for name in Werewolf.bots}
+    specs = []
+    for i, kernel in enumerate(load_kernels("werewolf", "train")[:12]):
+        live = agent_seats(Werewolf, kernel, i)  # village in even games, wolves in odd ones
+        agents = [bots["heuristic"] if s in live else bots["random-legal"] for s in range(6)]
+        specs.append(EpisodeSpec(f"ww/{i}", "werewolf", kernel, i, agents, trainable=[s in live for s in range(6)]))
+    episodes = run_episodes(specs)
+    line = rollout_metrics(episodes)
+    for team, parity in (("village", 0), ("wolves", 1)):
+        games = [ep for i, ep in enumerate(episodes) if i % 2 == parity]
+        assert line[f"team/{team}/games"] == 6
+        assert line[f"team/{team}/win_rate"] == sum(ep.result.info["winner"] == team for ep in games) / 6
+    assert set(line) >= {"outcome/villager", "outcome/seer", "outcome/witch", "outcome/werewolf", "env/vote_accuracy"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import play
@@ -32,6 +33,7 @@ def _with_tokens(episodes):
         ("ipd", ["random", "grim-trigger"]),
         ("split-no-comm", ["greedy", "welfare-maximizing"]),
         ("trust-and-split", ["honest-cooperative", "reciprocal"]),
+        ("werewolf", ["heuristic", "random-legal"] * 3),
     ],
 )
 def test_round_trip_equals_every_field(tmp_path, env, agents):
@@ -42,6 +44,26 @@ def test_round_trip_equals_every_field(tmp_path, env, agents):
     assert back[0].turns[3].logp_sample == [-0.1 * 3, -math.pi]
     assert back[0].seats[0].trainable is True
     assert back[0].kernel.data == episodes[0].kernel.data
+
+
+def test_channels_are_stored_and_files_without_them_still_load(tmp_path):
+    episodes = play("werewolf", ["heuristic"] * 6, episodes=2, seed=1)
+    path = write_episodes(tmp_path / "e.parquet", episodes)
+    channels = {m.channel for ep in read_episodes(path) for t in ep.turns for m in t.observation}
+    assert channels == {"", "public", "team", "private"}  # "" is the system prompt
+    # A file written before channels were recorded: the message struct has no channel field.
+    table = pq.read_table(path)
+    old = pa.Table.from_pylist(
+        [
+            {**row, "turns": [{**t, "observation": [{k: m[k] for k in ("role", "content")} for m in t["observation"]]}
+                              for t in row["turns"]]}
+            for row in table.to_pylist()
+        ]
+    )  # fmt: skip
+    pq.write_table(old, tmp_path / "old.parquet")
+    back = read_episodes(tmp_path / "old.parquet")
+    assert [t.text for t in back[0].turns] == [t.text for t in episodes[0].turns]
+    assert {m.channel for t in back[0].turns for m in t.observation} == {""}
 
 
 def test_invalid_turns_and_unicode_round_trip(tmp_path):

@@ -157,7 +157,7 @@ class HumanAgent:
         for r in requests:
             stdout.write(f"\n=== {r.role} ({r.episode_id}) ===\n")
             for m in r.observation:
-                label = "rules" if m.role == "system" else "referee"
+                label = "rules" if m.role == "system" else f"referee, {m.channel}" if m.channel else "referee"
                 stdout.write(f"[{label}] {m.content}\n")
             stdout.write(f"{r.role}> ")
             stdout.flush()

@@ -20,6 +20,12 @@ from repertory.types import Action, Parsed, Result
 DRAW = "draw"
 
 
+def acted(parsed: Parsed) -> Action:
+    """The action that took effect; a phased game's parse always names one (a no-op is ``pass``)."""
+    assert parsed.action is not None, "a phased game's parse returned no action"
+    return parsed.action
+
+
 class PhasedGame(Env):
     """Team game of phases: the living seats of ``self.acting`` act; dead seats never act again.
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from repertory.envs.base import Bot
 from repertory.envs.parsing import clean
-from repertory.envs.phased import DRAW, PhasedGame
+from repertory.envs.phased import DRAW, PhasedGame, acted
 from repertory.types import Action, Parsed, StepResult, derive
 
 NAMES = ("Ava", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kit", "Lena")
@@ -134,9 +134,6 @@ class Werewolf(PhasedGame):
     def role_name(self, role: str) -> str:
         """The game role (villager, werewolf, seer, witch) of a seat."""
         return self.role_labels[self.seat_index(role)]
-
-    def _holder(self, role_name: str) -> str:
-        return self.roles[self.role_labels.index(role_name)]
 
     # -- prompts -------------------------------------------------------------------------------------
 
@@ -313,7 +310,8 @@ class Werewolf(PhasedGame):
         events: list[str] = []
         if self.phase == "wolves":
             (wolf,) = parsed
-            target = parsed[wolf].action.value if parsed[wolf].action.tag == "kill" else None  # type: ignore[union-attr]
+            kill = acted(parsed[wolf])
+            target = kill.value if kill.tag == "kill" else None
             self.pack_votes[wolf] = target
             self.tell_team(WOLVES, f"{wolf} (werewolves' channel): {self._said[wolf]}", exclude=wolf)
             events.append(f"night {self.cycle}: {wolf} names {target or 'no one'}")
@@ -327,21 +325,20 @@ class Werewolf(PhasedGame):
         elif self.phase == "night":
             saved = poisoned = None
             for role, p in parsed.items():
-                act = p.action
-                if act.tag == "inspect":  # type: ignore[union-attr]
-                    wolf = self.team_of[act.value] == WOLVES  # type: ignore[union-attr]
-                    self.inspected[act.value] = wolf  # type: ignore[union-attr]
-                    verdict = "is a werewolf" if wolf else "is not a werewolf"
-                    self.tell_private(role, f"{act.value} {verdict}.")  # type: ignore[union-attr]
-                elif act.tag == "save":  # type: ignore[union-attr]
-                    saved, self.save_left = act.value, False  # type: ignore[union-attr]
-                elif act.tag == "poison":  # type: ignore[union-attr]
-                    poisoned, self.poison_left = act.value, False  # type: ignore[union-attr]
+                act = acted(p)
+                if act.tag == "inspect":
+                    wolf = self.team_of[act.value] == WOLVES
+                    self.inspected[act.value] = wolf
+                    self.tell_private(role, f"{act.value} {'is' if wolf else 'is not'} a werewolf.")
+                elif act.tag == "save":
+                    saved, self.save_left = act.value, False
+                elif act.tag == "poison":
+                    poisoned, self.poison_left = act.value, False
             events.append(f"night {self.cycle}: attacked {self.attacked}, saved {saved}, poisoned {poisoned}")
             rewards = self._dawn(saved, poisoned)
         elif self.phase == "discussion":
             (speaker,) = parsed
-            text = parsed[speaker].action.value  # type: ignore[union-attr]
+            text = acted(parsed[speaker]).value
             self.discussion.append((self.cycle, speaker, text))
             for role in self.living():
                 if role != speaker:
@@ -357,7 +354,7 @@ class Werewolf(PhasedGame):
         return StepResult(parsed, rewards, events)
 
     def _count_votes(self, parsed: dict[str, Parsed], events: list[str]) -> dict[str, float]:
-        ballot = {r: (p.action.value if p.action.tag == "vote" else None) for r, p in parsed.items()}  # type: ignore[union-attr]
+        ballot = {r: (acted(p).value if acted(p).tag == "vote" else None) for r, p in parsed.items()}
         self.votes.append(ballot)
         for voter, target in ballot.items():
             if target is not None and self.team_of[voter] == VILLAGE:

@@ -300,8 +300,20 @@ def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
         line[f"outcome/{name}"] = sum(scores.outcomes[name]) / len(scores.outcomes[name])
         line[f"points/{name}"] = sum(scores.points[name]) / len(scores.points[name])
     line["invalid_rate"] = scores.invalid_rate
+    trained = [[s for s, seat in enumerate(ep.seats) if seat.trainable] for ep in episodes]
+    line.update(team_lines(team_stats(episodes, trained)))
     line.update({f"env/{k}": v for k, v in mean_metrics(episodes).items()})
     return line
+
+
+def team_lines(teams: dict[str, TeamStats]) -> dict[str, float]:
+    """Flat metrics of per-team records: ``team/TEAM/win_rate``, ``draw_rate`` and ``games``."""
+    out = {}
+    for name, stats in teams.items():
+        out[f"team/{name}/win_rate"] = stats.win_rate[0]
+        out[f"team/{name}/draw_rate"] = stats.draw_rate[0]
+        out[f"team/{name}/games"] = float(stats.episodes)
+    return out
 
 
 

@@ -27,7 +27,7 @@ from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels
-from repertory.eval import DISCOUNT, evaluate
+from repertory.eval import DISCOUNT, evaluate, team_lines
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
@@ -291,6 +291,7 @@ class Trainer:
             out[f"eval/outcome/{role}"] = mean
             out[f"eval/outcome_se/{role}"] = se
         out["eval/invalid_rate"] = result.invalid_rate
+        out.update({f"eval/{k}": v for k, v in team_lines(result.teams).items()})
         out.update({f"eval/env/{k}": v for k, v in result.metrics.items()})
         out["time/eval_s"] = time.perf_counter() - start
         return out
