@@ -15,7 +15,7 @@ from repertory.envs import env_class, load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.envs.fuzz import TextFuzzer
 from repertory.envs.werewolf import Werewolf
-from repertory.eval import rollout_metrics
+from repertory.eval import concurrent_games, rollout_metrics
 from repertory.rollout import EpisodeSpec, agent_seats, run_episodes, schedule
 from repertory.train.batch import collect
 from repertory.types import Kernel, derive
@@ -332,3 +332,7 @@ def test_training_metrics_report_the_trained_teams_record():
         assert line[f"team/{team}/games"] == 6
         assert line[f"team/{team}/win_rate"] == sum(ep.result.info["winner"] == team for ep in games) / 6
     assert set(line) >= {"outcome/villager", "outcome/seer", "outcome/witch", "outcome/werewolf", "env/vote_accuracy"}
+
+
+def test_evaluations_run_as_many_seats_at_once_whatever_the_game():
+    assert concurrent_games(Werewolf) == 21 and concurrent_games(env_class("ipd")) == 64

@@ -79,7 +79,7 @@ def test_set_overrides_nested_keys_with_yaml_values():
     "override, expected",
     [
         ("algo.bogus=1", "algo.bogus: unknown key; allowed here: estimator, gamma_turn"),
-        ("rollout.envv=ipd", "rollout.envv: unknown key; allowed here: env, opponent"),
+        ("rollout.envv=ipd", "rollout.envv: unknown key; allowed here: env, env_options, opponent"),
         ("algo.estimator=ppo2", "algo.estimator: unknown estimator 'ppo2'; allowed: adalign, gae, grpo, naive, omar"),
         ("algo.aggregation=mean", "algo.aggregation: Input should be 'token-mean', 'seq-mean-token-mean'"),
         ("iterations=0", "iterations: Input should be greater than or equal to 1"),

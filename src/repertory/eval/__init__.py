@@ -16,12 +16,16 @@ from repertory.agents import Agent, LMOptions
 from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
-from repertory.envs import env_class
+from repertory.envs import Env, env_class
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
 from repertory.types import Episode, RepertoryError, RoleResult
 from repertory.workers import WorkerPool, play
+
+CONCURRENT_SEATS = 128
+"""Seats playing at once in an evaluation (64 two-seat games, 21 six-seat ones): every running seat's chat
+must fit the generation prefix cache, or each turn prefills its whole chat again."""
 
 DISCOUNT = 0.95
 """gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (docs/environments.md 1.4)."""
@@ -185,7 +189,7 @@ def evaluate(
     opponent: Agent | None = None,
     iteration: int = 0,
     gamma: float = DISCOUNT,
-    max_concurrent: int = 64,
+    max_concurrent: int | None = None,
     workers: WorkerPool | None = None,
 ) -> Evaluation:
     """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
@@ -193,8 +197,9 @@ def evaluate(
     team game it plays each team in turn on the same kernel and seed (``episodes`` rounds up to a
     multiple of the teams); else it takes each seat in turn (episode i: seat i mod seats). An opponent
     that is a model is watched by the partner guard. Scores count the agent's seats only. At most
-    ``max_concurrent`` games run at once, so that every running seat's chat stays in the generation
-    prefix cache; with ``workers`` (line-up :func:`evaluation_agents`) the games are sharded over Ray actors."""
+    ``max_concurrent`` games (default: :data:`CONCURRENT_SEATS` seats' worth) run at once, so that every
+    running seat's chat stays in the generation prefix cache; with ``workers`` (line-up
+    :func:`evaluation_agents`) the games are sharded over Ray actors."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
@@ -216,7 +221,7 @@ def evaluate(
             specs.append(spec)
             seats.append(own)
     names = {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}
-    played = play(specs, workers, names, max_concurrent)
+    played = play(specs, workers, names, max_concurrent or concurrent_games(cls))
     scores = seat_scores(played, lambda i, s: s in seats[i], gamma)
     return Evaluation(
         env=env,
@@ -235,6 +240,11 @@ def evaluate(
         played=played,
         seats=seats,
     )
+
+
+def concurrent_games(env: type[Env]) -> int:
+    """How many games of ``env`` an evaluation runs at once: :data:`CONCURRENT_SEATS` seats' worth."""
+    return max(1, CONCURRENT_SEATS // len(env.roles))
 
 
 @dataclass

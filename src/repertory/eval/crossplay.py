@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from repertory.agents import Agent, LMOptions
 from repertory.agents.resolve import make_agent
 from repertory.envs import Env, env_class
-from repertory.eval import PairResult, TeamStats, discounted, mean_metrics, summarize, team_stats
+from repertory.eval import (
+    PairResult,
+    TeamStats,
+    concurrent_games,
+    discounted,
+    mean_metrics,
+    summarize,
+    team_stats,
+)
 from repertory.rollout import guarded_seats, schedule
 from repertory.stats import mean_se
 from repertory.types import Episode, Kernel, RepertoryError, RoleResult
@@ -167,7 +175,7 @@ def crossplay(
     seed: int,
     split: str = "heldout",
     on_episode: Callable[[Episode], None] | None = None,
-    max_concurrent: int = 64,
+    max_concurrent: int | None = None,
     workers: WorkerPool | None = None,
 ) -> CrossPlay:
     """Play every ordered pair of ``agents``, the row agent on the first side (seat or team) and the column
@@ -185,7 +193,7 @@ def crossplay(
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
             spec.guarded = guarded_seats(cls, spec.agents, [trained])
             specs.append(spec)
-    played = play(specs, workers, agents, max_concurrent, on_episode)
+    played = play(specs, workers, agents, max_concurrent or concurrent_games(cls), on_episode)
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
     cells = {pair: summarize_teams(cls, cell) if cls.teams else summarize(cell) for pair, cell in games.items()}
     return CrossPlay(env, list(agents), cells, played, games)
