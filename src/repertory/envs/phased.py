@@ -10,6 +10,7 @@ with :meth:`PhasedGame.finish`.
 from __future__ import annotations
 
 import random
+from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
@@ -54,9 +55,9 @@ class PhasedGame(Env):
         self.winner: str | None = None
         self._open()
 
+    @abstractmethod
     def _open(self) -> None:
         """Open the first phase of the game."""
-        raise NotImplementedError
 
     @property
     def done(self) -> bool:

@@ -154,9 +154,9 @@ class TeamStats:
 def team_stats(episodes: list[Episode], seats: list[list[int]]) -> dict[str, TeamStats]:
     """Per team, the record of the games in which ``seats[i]`` of game i (the agent's) played on it; a
     self-play game counts for every team. Empty for games without teams."""
-    if not episodes or not env_class(episodes[0].env).teams:
+    cls = env_class(episodes[0].env) if episodes else None
+    if cls is None or not cls.teams:
         return {}
-    cls = env_class(episodes[0].env)
     out = {}
     for name in cls.teams:
         games, invalid, turns = [], 0, 0

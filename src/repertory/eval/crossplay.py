@@ -28,7 +28,7 @@ from repertory.eval import (
     summarize,
     team_stats,
 )
-from repertory.rollout import guarded_seats, schedule
+from repertory.rollout import agent_seats, guarded_seats, schedule
 from repertory.stats import mean_se
 from repertory.types import Episode, Kernel, RepertoryError, RoleResult
 from repertory.workers import WorkerPool, play
@@ -59,9 +59,7 @@ def sides(env: type[Env]) -> tuple[str, ...]:
 
 def side_seats(env: type[Env], kernel: Kernel, side: int) -> list[int]:
     """The seat indices of side ``side`` on ``kernel``: that seat, or every seat the kernel deals to that team."""
-    if not env.teams:
-        return [side]
-    return [s for s, team in enumerate(env.seat_teams(kernel.data)) if team == env.teams[side]]
+    return agent_seats(env, kernel, side) if env.teams else [side]
 
 
 def check_sides(env: type[Env]) -> None:
