@@ -42,6 +42,7 @@ def test_envs_table_and_json(capsys):
         "job-interview",
         "alliance",
         "werewolf",
+        "social",
     ]
     assert all(r["roles"] == ["Alice", "Bob"] and r["trained_seat"] is None for r in rows[:3])
     assert [r["trained_seat"] for r in rows[3:9]] == ["vendor", "proposer", "A", "Camper A", "recruiter", "University"]
@@ -49,7 +50,9 @@ def test_envs_table_and_json(capsys):
     werewolf = rows[9]
     assert werewolf["roles"] == [f"p{i}" for i in range(6)] and werewolf["teams"] == ["village", "wolves"]
     assert werewolf["bots"] == ["random-legal", "heuristic"] and werewolf["default_partner"] == "self"
-    assert all(r["teams"] == [] for r in rows[:9])
+    assert all(r["teams"] == [] for r in rows[:9] + rows[10:])
+    social = rows[10]
+    assert social["roles"] == ["p0", "p1", "p2"] and social["bots"] == ["agreeable", "quiet"]
     assert all(r["description"] for r in rows)
     code, out, _ = run(capsys, "envs")
     assert code == 0 and "trust-and-split" in out and "tit-for-tat" in out
@@ -145,5 +148,5 @@ def test_module_entry_point_exits_2_without_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split, craigslist, ultimatum, "
-        "deal-or-no-deal, casino, job-interview, alliance, werewolf"
+        "deal-or-no-deal, casino, job-interview, alliance, werewolf, social"
     )

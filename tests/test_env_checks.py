@@ -24,7 +24,13 @@ from repertory.envs.trust_and_split import TrustAndSplit
 from repertory.envs.ultimatum import Ultimatum
 from repertory.types import SPLITS, Action, Kernel, Parsed, StepResult, derive
 
-ROUND_GAME_STEPS = {"ipd": 10, "split-no-comm": 10, "trust-and-split": 30, "werewolf": 5 * (2 + 1 + 6 + 1)}
+ROUND_GAME_STEPS = {
+    "ipd": 10,
+    "split-no-comm": 10,
+    "trust-and-split": 30,
+    "werewolf": 5 * (2 + 1 + 6 + 1),
+    "social": 20,
+}
 
 
 def max_steps(name: str) -> int:

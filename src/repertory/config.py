@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from repertory.algos import EstimatorParams
 from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
@@ -283,6 +283,31 @@ class EvalConfig(_Section):
     )
 
 
+class JudgeConfig(_Section):
+    """The LLM judge of judge-scored games (social with reward judge or hybrid, and social evaluations): a fixed
+    model at temperature 0, never the trained one. The API key is read from the variable ``api_key_env`` names
+    and is never written to the config, logs or episodes."""
+
+    kind: Literal["none", "openai", "local"] = Field(
+        "none",
+        description="none; openai (any OpenAI-compatible chat endpoint at base_url); local (a Hugging Face checkpoint "
+        "or 'smollm2', the embedded model: one constrained answer per agent and scale).",
+    )
+    model: str = Field("smollm2", description="The judge model: the endpoint's model name, or a local checkpoint.")
+    base_url: str | None = Field(None, description="openai: the endpoint, e.g. http://127.0.0.1:8000/v1.")
+    api_key_env: str | None = Field(None, description="openai: the environment variable that holds the API key.")
+    timeout_s: float = Field(60.0, gt=0, description="openai: seconds per HTTP request.")
+    max_retries: int = Field(3, ge=0, description="openai: retries on 429, 5xx, timeouts and malformed responses.")
+    concurrency: int = Field(8, ge=1, description="openai: requests in flight at once.")
+    max_tokens: int = Field(1024, ge=16, description="openai: token budget of one verdict.")
+    device: str | None = Field(None, description="local: device of the judge model; default: the policy's.")
+    fine_grained: bool = Field(False, description="Also score the five fine-grained metrics (evaluations only).")
+    cache: str | None = Field(
+        None,
+        description="SQLite cache of answers: null = judge.sqlite in the repertory cache directory, 'off', or a path.",
+    )
+
+
 class TrainConfig(_Section):
     """Everything a training run needs. Every field has a default; a recipe overrides some."""
 
@@ -304,6 +329,16 @@ class TrainConfig(_Section):
         "is a batch-online deployment round, see the rounds section).",
     )
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+
+    @model_validator(mode="after")
+    def _judge_when_needed(self) -> TrainConfig:
+        if self.judge.kind == "none" and make(self.rollout.env, **self.rollout.env_options).needs_judge:
+            raise ValueError(
+                f"rollout.env_options {self.rollout.env_options} score {self.rollout.env} with a judge: set judge.kind "
+                "(openai or local), or use reward: verifiable"
+            )
+        return self
 
 
 class WarmStartConfig(_Section):

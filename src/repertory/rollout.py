@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from repertory.agents import Agent, Request, Response, is_model
 from repertory.envs import Env, env_class, load_kernels, make
-from repertory.types import Episode, Kernel, Message, RepertoryError, Seat, Turn, derive
+from repertory.types import Episode, JudgeRequest, Kernel, Message, RepertoryError, Seat, Turn, Verdict, derive
 
 
 @dataclass
@@ -40,15 +40,23 @@ GUARD_RESAMPLES = 2
 class _Running:
     """Live state of one episode inside the engine."""
 
-    def __init__(self, spec: EpisodeSpec):
-        self.spec = spec
+    def __init__(self, spec: EpisodeSpec, judge: Judge | None = None):
         self.env = make(spec.env, **spec.env_options)
-        if len(spec.agents) != len(self.env.roles):
-            raise RepertoryError(
-                f"{spec.env} has {len(self.env.roles)} seats ({', '.join(self.env.roles)}), "
-                f"but {len(spec.agents)} agents were given"
-            )
         self.env.reset(spec.kernel, spec.episode_seed)
+        n = len(self.env.roles)
+        if len(spec.agents) == len(type(self.env).roles) > n:
+            # A line-up for the game's most seats: a smaller scenario seats its first n agents.
+            spec = replace(spec, agents=spec.agents[:n], trainable=spec.trainable[:n], guarded=spec.guarded[:n])
+        if len(spec.agents) != n:
+            raise RepertoryError(
+                f"{spec.env} has {n} seats ({', '.join(self.env.roles)}), but {len(spec.agents)} agents were given"
+            )
+        if self.env.needs_judge and judge is None:
+            raise RepertoryError(
+                f"{spec.env}: the reward {spec.env_options.get('reward')!r} needs a judge (judge: in the config, "
+                "--judge on the command line), or use reward verifiable"
+            )
+        self.spec = spec
         self.chats: dict[str, list[Message]] = {r: [] for r in self.env.roles}
         self.turns: list[Turn] = []
         self.last_turn: dict[str, Turn] = {}
@@ -137,12 +145,23 @@ class _Running:
         )
 
 
+class Judge(Protocol):
+    """Scores finished episodes (:mod:`repertory.judges`): one verdict per request, None where it failed."""
+
+    name: str
+    fine_grained: bool
+
+    def score(self, requests: list[JudgeRequest]) -> list[Verdict | None]: ...
+
+
 def run_episodes(
     specs: Iterable[EpisodeSpec],
     max_concurrent: int = 256,
     on_episode: Callable[[Episode], None] | None = None,
+    judge: Judge | None = None,
 ) -> list[Episode]:
-    """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order."""
+    """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order. With a ``judge``,
+    the episodes that finish in a tick are scored in one call before they are returned."""
     if max_concurrent < 1:
         raise RepertoryError("max_concurrent must be at least 1")
     pending: Iterator[tuple[int, EpisodeSpec]] = enumerate(specs)
@@ -155,7 +174,7 @@ def run_episodes(
             if nxt is None:
                 exhausted = True
             else:
-                running[nxt[0]] = _Running(nxt[1])
+                running[nxt[0]] = _Running(nxt[1], judge)
         by_agent: dict[int, tuple[Agent, list[tuple[int, Request]]]] = {}
         for index, run in running.items():
             for agent, request in run.requests():
@@ -166,16 +185,32 @@ def run_episodes(
                 answers[index][request.role] = (request, response)
         _guard(running, by_agent, answers)
         for index in list(running):
-            run = running[index]
             if answers[index]:
-                run.step(answers[index])
-            if run.env.done:
-                episode = run.episode()
-                finished[index] = episode
-                del running[index]
-                if on_episode is not None:
-                    on_episode(episode)
+                running[index].step(answers[index])
+        done = [i for i in running if running[i].env.done]
+        if judge is not None:
+            _judge([running[i] for i in done], judge)
+        for index in done:
+            episode = running.pop(index).episode()
+            finished[index] = episode
+            if on_episode is not None:
+                on_episode(episode)
     return [finished[i] for i in sorted(finished)]
+
+
+def _judge(runs: list[_Running], judge: Judge) -> None:
+    """One judge call for the scoring requests of every episode that finished this tick; the rewards of the
+    verdicts land on each seat's last turn."""
+    asked = [(run, run.env.judge_requests(judge.fine_grained)) for run in runs]
+    asked = [(run, requests) for run, requests in asked if requests]
+    if not asked:
+        return
+    verdicts = iter(judge.score([r for _, requests in asked for r in requests]))
+    for run, requests in asked:
+        rewards = run.env.judged([next(verdicts) for _ in requests])
+        for role, reward in rewards.items():
+            if role in run.last_turn:
+                run.last_turn[role].reward += reward
 
 
 def agent_seats(env: type[Env], kernel: Kernel, index: int) -> list[int]:
@@ -187,7 +222,7 @@ def agent_seats(env: type[Env], kernel: Kernel, index: int) -> list[int]:
     if env.teams:
         team = env.teams[index % len(env.teams)]
         return [s for s, t in enumerate(env.seat_teams(kernel.data)) if t == team]
-    return [index % len(env.roles)]
+    return [index % len(env.seat_names(kernel.data))]
 
 
 def guarded_seats(env: type[Env], agents: list[Agent], trained: Collection[int]) -> list[bool]:
@@ -246,9 +281,11 @@ def schedule(
     split: str = "train",
     kernel_index: int | None = None,
     iteration: int = 0,
+    env_options: dict[str, Any] | None = None,
 ) -> list[EpisodeSpec]:
     """Episodes of ``env`` with the same line-up: kernels drawn without replacement per pass
     through the split (shuffled by ``seed``), or all on ``kernel_index``; seeds derived from ``seed``.
+    ``env_options`` are the game's options (and may define its kernels: a user's social scenarios).
     """
     cls = env_class(env)
     if episodes < 1:
@@ -257,7 +294,7 @@ def schedule(
         raise RepertoryError(
             f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}); got {len(agents)}"
         )
-    kernels = load_kernels(env, split)
+    kernels = load_kernels(env, split, env_options)
     if kernel_index is not None and not 0 <= kernel_index < len(kernels):
         raise RepertoryError(f"kernel index must be in 0..{len(kernels) - 1} (got {kernel_index})")
     order: list[int] = []
@@ -279,6 +316,7 @@ def schedule(
                 episode_seed=derive(seed, iteration, i, "env"),
                 agents=list(agents),
                 iteration=iteration,
+                env_options=dict(env_options or {}),
             )
         )
     return specs

@@ -104,6 +104,32 @@ class StepResult:
     events: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Dimension:
+    """One scale a judge scores each agent on: an integer range and what it measures."""
+
+    name: str
+    low: int
+    high: int
+    meaning: str
+
+
+@dataclass(frozen=True)
+class JudgeRequest:
+    """What a finished episode asks a judge to score: ``context`` (the situation, who is who, the transcript)
+    for every agent of ``agents`` (their keys in the verdict, e.g. "agent_1") on every scale of ``dimensions``."""
+
+    kind: str
+    instructions: str
+    context: str
+    agents: tuple[str, ...]
+    dimensions: tuple[Dimension, ...]
+
+
+Verdict = dict[str, dict[str, float]]
+"""A judge's scores: agent key -> dimension name -> score within the dimension's range."""
+
+
 @dataclass
 class RoleResult:
     """One role's final score: native points, normalised outcome in [0, 1], turns, invalid actions."""
@@ -190,6 +216,11 @@ class Episode:
     @property
     def split(self) -> str:
         return self.kernel.split
+
+    @property
+    def judge_failed(self) -> bool:
+        """The judge could not score this episode: it is kept, but left out of training and of evaluation means."""
+        return bool(self.result.info.get("judge_failed"))
 
     def seat(self, seat_id: str) -> Seat:
         """The seat with this seat_id."""

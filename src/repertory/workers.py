@@ -32,7 +32,7 @@ from repertory.envs import env_class
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import load_adapter
-from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.rollout import EpisodeSpec, Judge, run_episodes
 from repertory.types import Episode, RepertoryError
 
 LIVE = "live"  # the spec of the trainer's live policy inside a worker
@@ -209,10 +209,12 @@ def play(
     names: dict[str, Agent],
     max_concurrent: int = 64,
     on_episode: Callable[[Episode], None] | None = None,
+    judge: Judge | None = None,
 ) -> list[Episode]:
-    """Play ``specs`` in this process, or over ``workers`` whose line-up calls these agents by ``names``."""
+    """Play ``specs`` in this process (``judge`` scoring them), or over ``workers`` whose line-up calls these
+    agents by ``names``."""
     if workers is None:
-        return run_episodes(specs, max_concurrent, on_episode)
+        return run_episodes(specs, max_concurrent, on_episode, judge)
     spec_of = {id(agent): name for name, agent in names.items()}
     played = workers.play(specs, lambda agent: spec_of[id(agent)], max_concurrent)
     for episode in played if on_episode is not None else []:

@@ -12,7 +12,7 @@ from repertory.envs import env_class
 from repertory.types import SPLITS, RepertoryError
 
 if TYPE_CHECKING:
-    from repertory.eval import TeamStats
+    from repertory.eval import JudgedStats, TeamStats
 
 out = Console(highlight=False, soft_wrap=True)
 SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
@@ -68,4 +68,22 @@ def team_table(title: str, teams: dict[str, TeamStats]) -> Table:
         win, draw = t.win_rate, t.draw_rate
         row = [name, str(t.episodes), f"{win[0]:.3f} ± {win[1]:.3f}", f"{draw[0]:.3f} ± {draw[1]:.3f}"]
         table.add_row(*row, *values, f"{t.invalid_rate:.1%}")
+    return table
+
+
+def judged_table(title: str, stats: JudgedStats) -> Table:
+    """Each judge scale, the overall score and the fine-grained metrics (mean ± SE over the agent's seats), then
+    the goal-check and secret-kept rates and the episodes the judge failed on."""
+    table = Table(title=title)
+    table.add_column("measure")
+    table.add_column("mean ± SE", justify="right")
+    rows = [*stats.dimensions.items()]
+    if stats.overall is not None:
+        rows.append(("overall (mean of the seven)", stats.overall))
+    rows += [(f"fine: {k}", v) for k, v in stats.fine_grained.items()]
+    rows += [(k, v) for k, v in (("goal verified", stats.goal_verified), ("secret kept", stats.secret_kept)) if v]
+    for name, (mean, se) in rows:
+        table.add_row(name, f"{mean:.3f} ± {se:.3f}")
+    table.add_row("seats scored", str(stats.seats))
+    table.add_row("judge failed (episodes, left out)", str(stats.judge_failed))
     return table

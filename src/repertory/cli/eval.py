@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.table import Table
 
-from repertory.cli.common import check_run_options, out, team_table
+from repertory.cli.common import check_run_options, judged_table, out, team_table
 from repertory.envs import env_class
 from repertory.types import RepertoryError
 
@@ -253,6 +253,24 @@ def eval_command(
     workers: int = typer.Option(
         0, "--workers", help="Ray actors sharing the games, each with its own copy of the agents (0: this process)."
     ),
+    judge: str | None = typer.Option(
+        None,
+        "--judge",
+        help="Judge of social scenarios: local (the embedded model), local:PATH, openai:MODEL@BASE_URL, or none. "
+        "Default: the run's judge (none for 'base').",
+    ),
+    judge_key_env: str | None = typer.Option(
+        None, "--judge-key-env", help="The environment variable holding the openai judge's API key."
+    ),
+    fine_grained: bool = typer.Option(
+        False, "--fine-grained", help="Also score the five fine-grained metrics (a separate judge call)."
+    ),
+    env_option: list[str] | None = typer.Option(
+        None,
+        "--option",
+        help="An environment option KEY=VALUE (default: the run's rollout.env_options), e.g. reward=hybrid or "
+        "scenarios=DIR.",
+    ),
 ) -> None:
     """Held-out evaluation: normalised outcome per role (mean +- standard error) and the environment's metrics.
 
@@ -280,8 +298,11 @@ def eval_command(
         raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
     agent, opponent, env_name = evaluation_lineup(*line_up)
+    options, scorer = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
     with _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool:
-        result = evaluate(env_name, agent, episodes, seed, split, opponent, workers=pool)
+        result = evaluate(
+            env_name, agent, episodes, seed, split, opponent, workers=pool, env_options=options, judge=scorer
+        )
     if as_json:
         print(json.dumps(result.to_json()))
         return
@@ -300,7 +321,36 @@ def eval_command(
         f"{result.discounted[0]:.3f} ± {result.discounted[1]:.3f}"
     )
     out.print(f"invalid actions: {result.invalid_rate:.1%}")
+    if result.judged is not None:
+        out.print(judged_table(f"{agent.name}'s seats, judged ({env_name}, vs {result.opponent})", result.judged))
     for key, value in result.metrics.items():
         out.print(f"{key}: {value:.3f}")
+
+
+def _judging(
+    target: str, env: str, options: list[str], spec: str | None, key_env: str | None, fine_grained: bool
+) -> tuple[dict[str, Any], Any]:
+    """The environment options and the judge of an evaluation: the flags, else the run's own."""
+    import yaml
+
+    from repertory.config import TrainConfig
+    from repertory.envs import make
+    from repertory.judges import judge_config, make_judge
+    from repertory.runs import resolve_checkpoint
+
+    run = TrainConfig() if target == "base" else resolve_checkpoint(target)[1]
+    env_options = dict(run.rollout.env_options) if run.rollout.env == env else {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RepertoryError(f"--option takes KEY=VALUE (got {item!r})")
+        env_options[key] = yaml.safe_load(value)
+    make(env, **env_options)  # bad options fail here, before any model loads
+    config = run.judge.model_copy(update={"fine_grained": fine_grained or run.judge.fine_grained})
+    if spec is not None:
+        config = judge_config(spec, key_env, fine_grained)
+    elif key_env is not None:
+        config = config.model_copy(update={"api_key_env": key_env})
+    return env_options, make_judge(config)
 
 

@@ -209,8 +209,11 @@ def tournament(
     out_dir: Path | None = typer.Option(None, "--out", help="Append all episodes to this Parquet episode store."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per environment instead of tables."),
 ) -> None:
-    """Cross-play tournament: every ordered pair of agents, on the same kernels and seeds."""
-    names = env or env_names()
+    """Cross-play tournament: every ordered pair of agents, on the same kernels and seeds (by default in every
+    environment with two sides: two seats or two teams)."""
+    from repertory.eval.crossplay import sides
+
+    names = env or [n for n in env_names() if len(sides(env_class(n))) == 2]
     for name in names:
         env_class(name)
     check_run_options(split, seed, episodes)

@@ -27,6 +27,7 @@ _BUILTIN: dict[str, str] = {
     "job-interview": "job_interview:JobInterview",
     "alliance": "alliance:Alliance",
     "werewolf": "werewolf:Werewolf",
+    "social": "social:Social",
 }
 _REGISTRY: dict[str, type[Env]] = {}
 
@@ -71,10 +72,19 @@ def make(name: str, **options: Any) -> Env:
         raise RepertoryError(f"{name}: bad environment options {options}: {exc}") from None
 
 
-def load_kernels(name: str, split: str) -> list[Kernel]:
-    """The kernels of one split of the environment registered as ``name``, in index order: the
-    shipped file, or (for an environment that ships none) the deterministic generation."""
-    return kernels_of(env_class(name), split)
+def load_kernels(name: str, split: str, options: dict[str, Any] | None = None) -> list[Kernel]:
+    """The kernels of one split of the environment registered as ``name``, in index order: those the game's
+    ``options`` define (a user's social scenarios), else the shipped file, or (for an environment that ships
+    none) the deterministic generation."""
+    cls = env_class(name)
+    if options:
+        try:
+            custom = cls.custom_kernels(split, options)
+        except ValueError as exc:
+            raise RepertoryError(f"{name}: {exc}") from None
+        if custom is not None:
+            return custom
+    return kernels_of(cls, split)
 
 
 __all__ = [

@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.parsing import DEFAULT_MAX_CHARS
-from repertory.types import Kernel, Message, Parsed, Result, RoleResult, StepResult
+from repertory.types import JudgeRequest, Kernel, Message, Parsed, Result, RoleResult, StepResult, Verdict
 
 Bot = Callable[[dict[str, Any]], str]
 """A scripted policy: the role's structured view (see ``Env.view``) in, the raw text out."""
@@ -47,6 +47,9 @@ class Env(ABC):
     """Who sits opposite the evaluated agent by default: "self" (self-play), "base" or a bot name."""
     guarded_limit: ClassVar[str] = ""
     """The private limit the partner guard protects, in words; empty where the game has none."""
+    scored_by_label: ClassVar[bool] = False
+    """True where display names come from the kernel (Werewolf, social): evaluations then report scores per
+    role label (seer, seller) instead of per name."""
 
     def __init__(self) -> None:
         self.kernel: Kernel | None = None
@@ -61,6 +64,17 @@ class Env(ABC):
     @abstractmethod
     def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
         """The data fields of one kernel, drawn from ``rng`` in the order docs/environments.md gives."""
+
+    @classmethod
+    def draw_kernel(cls, rng: random.Random, split: str) -> dict[str, Any]:
+        """Kernel data for ``split``; the same procedure for both splits unless a game draws from per-split pools."""
+        return cls.generate_kernel(rng)
+
+    @classmethod
+    def custom_kernels(cls, split: str, options: dict[str, Any]) -> list[Kernel] | None:
+        """Kernels that the game's ``options`` define instead of the shipped ones (social: a user's scenario
+        directory); None where the options leave the kernels alone."""
+        return None
 
     @classmethod
     def validate_kernel(cls, data: dict[str, Any]) -> list[str]:
@@ -155,6 +169,20 @@ class Env(ABC):
         """The partner guard (docs/environments.md 1.6): None when ``text`` keeps ``role`` within its private
         limits, else the text with the offending tags deleted. Games without hard limits never object."""
         return None
+
+    @property
+    def needs_judge(self) -> bool:
+        """Whether the rewards wait for a judge's verdict once the episode is done (social, reward judge or hybrid)."""
+        return False
+
+    def judge_requests(self, fine_grained: bool = False) -> list[JudgeRequest]:
+        """What a judge should score now that the episode is done (none for games scored by their rules)."""
+        return []
+
+    def judged(self, verdicts: list[Verdict | None]) -> dict[str, float]:
+        """Apply a judge's verdicts (None: the judge failed) to the requests of ``judge_requests``; returns the
+        terminal rewards they add."""
+        return {}
 
     def seat_index(self, role: str) -> int:
         """0-based seat index of a display name."""

@@ -220,8 +220,8 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             problems = _kernel_problems(env_class, k.data, k.id)
             if problems:
                 fail(f"kernel {k.id} is invalid: {'; '.join(problems)}")
-            if env_class.generate_kernel(random.Random(k.seed)) != k.data:
-                fail(f"kernel {k.id}: generate_kernel(Random(seed)) does not give its data")
+            if env_class.draw_kernel(random.Random(k.seed), split) != k.data:
+                fail(f"kernel {k.id}: draw_kernel(Random(seed), {split!r}) does not give its data")
         out[split] = kernels
     # The seed is the first draw whose content is new (docs/environments.md 1.5; train before held-out).
     seen: dict[str, str] = {}
@@ -232,7 +232,8 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
         if retry and not env_class.unique_kernels:
             fail(f"kernel {k.id} was redrawn (retry {retry}) although unique_kernels is off")
         for r in range(retry):
-            if canonical_json(env_class.generate_kernel(random.Random(_seed(name, k.split, k.index, r)))) not in seen:
+            redrawn = env_class.draw_kernel(random.Random(_seed(name, k.split, k.index, r)), k.split)
+            if canonical_json(redrawn) not in seen:
                 fail(f"kernel {k.id} took retry {retry}, but draw {r} was already new")
         earlier = seen.setdefault(canonical_json(k.data), k.id)
         if env_class.unique_kernels and earlier != k.id:

@@ -13,6 +13,7 @@ This module sits below the environment registry: every function takes the enviro
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -31,7 +32,7 @@ class KernelSource(Protocol):
     unique_kernels: bool
 
     @classmethod
-    def generate_kernel(cls, rng: random.Random) -> dict[str, Any]: ...
+    def draw_kernel(cls, rng: random.Random, split: str) -> dict[str, Any]: ...
 
     @classmethod
     def validate_kernel(cls, data: dict[str, Any]) -> list[str]: ...
@@ -41,17 +42,24 @@ KERNELS_PER_SPLIT = 100
 MAX_RETRIES = 1000
 
 
-def generate_kernels(env: type[KernelSource], n: int = KERNELS_PER_SPLIT) -> dict[str, list[Kernel]]:
-    """Both splits of ``env``, ``n`` kernels each, with the uniqueness retries of 1.5."""
+def generate_kernels(
+    env: type[KernelSource],
+    n: int = KERNELS_PER_SPLIT,
+    draw: Callable[[random.Random, str], dict[str, Any]] | None = None,
+    splits: tuple[str, ...] = SPLITS,
+) -> dict[str, list[Kernel]]:
+    """``splits`` of ``env`` (by default both), ``n`` kernels each, with the uniqueness retries of 1.5; ``draw``
+    replaces ``env.draw_kernel`` (a game drawing from a catalogue of the user's)."""
+    draw = draw or env.draw_kernel
     seen: set[str] = set()
     out: dict[str, list[Kernel]] = {}
-    for split in SPLITS:
+    for split in splits:
         kernels = []
         for i in range(n):
             seed = derive("repertory", env.name, split, i)
             retry = 0
             while True:
-                data = env.generate_kernel(random.Random(seed))
+                data = draw(random.Random(seed), split)
                 content = canonical_json(data)
                 if not env.unique_kernels or content not in seen:
                     break

@@ -98,6 +98,7 @@ class Werewolf(PhasedGame):
     role_labels = ROLES  # the roles a kernel deals; seat_labels gives each seat's
     teams: ClassVar[tuple[str, ...]] = (VILLAGE, WOLVES)
     default_trained_role = "p0"
+    scored_by_label = True
     bots: ClassVar[dict[str, Bot]] = {"random-legal": random_legal, "heuristic": heuristic}
 
     @classmethod

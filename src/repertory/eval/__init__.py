@@ -17,7 +17,7 @@ from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
+from repertory.rollout import EpisodeSpec, Judge, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
 from repertory.types import Episode, RepertoryError, RoleResult
@@ -101,6 +101,8 @@ class Evaluation:
     games: dict[str, int] = field(default_factory=dict)
     """How many of the agent's seats each role's outcome averages."""
     teams: dict[str, TeamStats] = field(default_factory=dict)
+    judged: JudgedStats | None = None
+    """Judge scores and goal checks of the agent's seats (social scenarios)."""
     played: list[Episode] = field(default_factory=list, repr=False)
     seats: list[list[int]] = field(default_factory=list, repr=False)
     """The seats the agent held in each played game."""
@@ -124,7 +126,89 @@ class Evaluation:
             "invalid_rate": self.invalid_rate,
             "metrics": self.metrics,
             **({"teams": {t: stats.to_json() for t, stats in self.teams.items()}} if self.teams else {}),
+            **({"judged": self.judged.to_json()} if self.judged is not None else {}),
         }
+
+
+@dataclass
+class JudgedStats:
+    """The agent's seats in judge-scored games: each judge scale, the overall score (mean of the seven) and the
+    fine-grained metrics, mean and standard error over seats; the goal-check and secret-kept rates; and the
+    episodes the judge failed on (left out of every mean)."""
+
+    seats: int
+    dimensions: dict[str, tuple[float, float]]
+    overall: tuple[float, float] | None
+    fine_grained: dict[str, tuple[float, float]]
+    goal_verified: tuple[float, float] | None
+    secret_kept: tuple[float, float] | None
+    judge_failed: int
+
+    def to_json(self) -> dict[str, object]:
+        def flat(values: dict[str, tuple[float, float]]) -> dict[str, float]:
+            return {k: v for name, (m, se) in values.items() for k, v in ((name, m), (f"{name}_se", se))}
+
+        return {
+            "seats": self.seats,
+            "dimensions": flat(self.dimensions),
+            "overall": self.overall,
+            "fine_grained": flat(self.fine_grained),
+            "goal_verified": self.goal_verified,
+            "secret_kept": self.secret_kept,
+            "judge_failed": self.judge_failed,
+        }
+
+
+def judged_stats(episodes: list[Episode], seats: list[list[int]]) -> JudgedStats | None:
+    """:class:`JudgedStats` of ``seats[i]`` of game i; None for games without goal checks or judges."""
+    if not episodes or "goal_verified" not in episodes[0].result.info:
+        return None
+    dims: dict[str, list[float]] = {}
+    fine: dict[str, list[float]] = {}
+    overall: list[float] = []
+    verified: list[float] = []
+    kept: list[float] = []
+    n = 0
+    for ep, own in zip(episodes, seats):
+        if ep.judge_failed:
+            continue
+        info = ep.result.info
+        for s in own:
+            name = ep.seats[s].name
+            n += 1
+            if info["goal_verified"].get(name) is not None:
+                verified.append(info["goal_verified"][name])
+            if info["secret_kept"].get(name) is not None:
+                kept.append(info["secret_kept"][name])
+            scores = (info.get("judge") or {}).get(name)
+            if scores:
+                for k, v in scores.items():
+                    dims.setdefault(k, []).append(v)
+                overall.append(sum(scores.values()) / len(scores))
+            for k, v in ((info.get("fine_grained") or {}).get(name) or {}).items():
+                fine.setdefault(k, []).append(v)
+    return JudgedStats(
+        seats=n,
+        dimensions={k: mean_se(v) for k, v in dims.items()},
+        overall=mean_se(overall) if overall else None,
+        fine_grained={k: mean_se(v) for k, v in fine.items()},
+        goal_verified=mean_se(verified) if verified else None,
+        secret_kept=mean_se(kept) if kept else None,
+        judge_failed=sum(ep.judge_failed for ep in episodes),
+    )
+
+
+def judged_lines(stats: JudgedStats) -> dict[str, float]:
+    """Flat metrics of :class:`JudgedStats`: ``judge/DIMENSION``, ``judge/overall``, ``fine/METRIC``,
+    ``goal_verified``, ``secret_kept`` and ``judge_failed``."""
+    out = {f"judge/{k}": m for k, (m, _) in stats.dimensions.items()}
+    out.update({f"fine/{k}": m for k, (m, _) in stats.fine_grained.items()})
+    rates = {"judge/overall": stats.overall, "goal_verified": stats.goal_verified, "secret_kept": stats.secret_kept}
+    for key, value in rates.items():
+        if value is not None:
+            out[key] = value[0]
+    out["judge_failed"] = float(stats.judge_failed)
+    return out
 
 
 @dataclass
@@ -191,6 +275,8 @@ def evaluate(
     gamma: float = DISCOUNT,
     max_concurrent: int | None = None,
     workers: WorkerPool | None = None,
+    env_options: dict[str, Any] | None = None,
+    judge: Judge | None = None,
 ) -> Evaluation:
     """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
     opponent, the agent sits in the game's trained seat where the game fixes one (negotiations); in a
@@ -199,19 +285,23 @@ def evaluate(
     that is a model is watched by the partner guard. Scores count the agent's seats only. At most
     ``max_concurrent`` games (default: :data:`CONCURRENT_SEATS` seats' worth) run at once, so that every
     running seat's chat stays in the generation prefix cache; with ``workers`` (line-up
-    :func:`evaluation_agents`) the games are sharded over Ray actors."""
+    :func:`evaluation_agents`) the games are sharded over Ray actors. ``env_options`` are the game's options;
+    a ``judge`` scores the finished games (social scenarios), and games it failed on are counted but left out
+    of every mean."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
     n_seats = len(cls.roles)
     paired = len(cls.teams) if opponent is not None and cls.teams else 1
-    games = schedule(env, [agent] * n_seats, -(-episodes // paired), seed, split, iteration=iteration)
+    games = schedule(
+        env, [agent] * n_seats, -(-episodes // paired), seed, split, iteration=iteration, env_options=env_options
+    )
     specs: list[EpisodeSpec] = []
     seats: list[list[int]] = []
     for game in games:
         for side in range(paired):
             spec = replace(game, agents=list(game.agents), episode_id=f"{game.episode_id}/eval-{agent.name}")
-            own = list(range(n_seats))
+            own = list(range(len(cls.seat_names(spec.kernel.data))))
             if opponent is not None:
                 own = agent_seats(cls, spec.kernel, len(specs))
                 spec.agents = [agent if s in own else opponent for s in range(n_seats)]
@@ -221,8 +311,10 @@ def evaluate(
             specs.append(spec)
             seats.append(own)
     names = {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}
-    played = play(specs, workers, names, max_concurrent or concurrent_games(cls))
-    scores = seat_scores(played, lambda i, s: s in seats[i], gamma)
+    if judge is not None and workers is not None:
+        raise RepertoryError("a judge cannot score games played by Ray workers yet; evaluate without --workers")
+    played = play(specs, workers, names, max_concurrent or concurrent_games(cls), judge=judge)
+    scores = seat_scores(played, lambda i, s: s in seats[i] and not played[i].judge_failed, gamma)
     return Evaluation(
         env=env,
         agent=agent.name,
@@ -237,6 +329,7 @@ def evaluate(
         metrics=mean_metrics(played),
         games={r: len(v) for r, v in scores.outcomes.items()},
         teams=team_stats(played, seats),
+        judged=judged_stats(played, seats),
         played=played,
         seats=seats,
     )
@@ -276,7 +369,7 @@ def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], g
     scores = SeatScores()
     for i, ep in enumerate(episodes):
         # Team games deal roles to kernel-given names: score per game role (seer, witch, ...), not per name.
-        by_label = bool(env_class(ep.env).teams)
+        by_label = env_class(ep.env).scored_by_label
         for s, seat in enumerate(ep.seats):
             if not selected(i, s):
                 continue
@@ -302,7 +395,7 @@ def mean_metrics(episodes: list[Episode]) -> dict[str, float]:
 def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
     """A training batch's metrics: episodes, mean outcome and points of the trained seats per role, invalid
     rate and the environment's metrics."""
-    scores = seat_scores(episodes, lambda i, s: episodes[i].seats[s].trainable)
+    scores = seat_scores(episodes, lambda i, s: episodes[i].seats[s].trainable and not episodes[i].judge_failed)
     line: dict[str, float] = {"episodes": len(episodes)}
     all_outcomes = [x for v in scores.outcomes.values() for x in v]
     line["outcome"] = sum(all_outcomes) / len(all_outcomes) if all_outcomes else 0.0
@@ -312,6 +405,9 @@ def rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
     line["invalid_rate"] = scores.invalid_rate
     trained = [[s for s, seat in enumerate(ep.seats) if seat.trainable] for ep in episodes]
     line.update(team_lines(team_stats(episodes, trained)))
+    judged = judged_stats(episodes, trained)
+    if judged is not None:
+        line.update(judged_lines(judged))
     line.update({f"env/{k}": v for k, v in mean_metrics(episodes).items()})
     return line
 

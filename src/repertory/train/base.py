@@ -26,9 +26,10 @@ from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.algos import losses
 from repertory.config import TrainConfig
-from repertory.envs import env_class, load_kernels
-from repertory.eval import DISCOUNT, evaluate, team_lines
+from repertory.envs import env_class, load_kernels, make
+from repertory.eval import DISCOUNT, evaluate, judged_lines, team_lines
 from repertory.generation import SamplingParams, make_backend
+from repertory.judges import make_judge
 from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
@@ -68,6 +69,11 @@ class Trainer:
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
         sampler_seed = derive(config.seed, "sampler")
         self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
+        self.judge = make_judge(config.judge, config.model.device)
+        # Rollouts are judged only where the reward needs it; evaluations report the judge's scores regardless.
+        self.rollout_judge = self.judge if make(config.rollout.env, **config.rollout.env_options).needs_judge else None
+        if self.rollout_judge is not None and config.rollout.workers:
+            raise RepertoryError("a judge cannot score episodes played by rollout.workers yet; set rollout.workers: 0")
         self.pool = (
             OpponentPool(
                 self.learner.peft,
@@ -95,7 +101,7 @@ class Trainer:
         if eval_spec == "self" and config.eval.opponent is None and self.env.fixed_seat:
             eval_spec = self.env.default_partner  # negotiations are measured against their partner
         self.eval_opponent = self._agent(eval_spec)
-        self.kernels = load_kernels(config.rollout.env, "train")
+        self.kernels = load_kernels(config.rollout.env, "train", config.rollout.env_options)
         self.iteration = 0
         self.estimator_state: dict[str, Any] = {}
         self.discount = DISCOUNT  # gamma of the held-out expected discounted return
@@ -133,10 +139,11 @@ class Trainer:
         rollout = self.config.rollout
         if distributed.world_size() > 1:  # data-parallel: each process plays its contiguous shard
             n, k = distributed.world_size(), distributed.rank()
-            mine = run_episodes(specs[len(specs) * k // n : len(specs) * (k + 1) // n], rollout.max_concurrent)
+            shard = specs[len(specs) * k // n : len(specs) * (k + 1) // n]
+            mine = run_episodes(shard, rollout.max_concurrent, judge=self.rollout_judge)
             return [episode for shard in distributed.gather(mine) for episode in shard]
         if not rollout.workers:
-            return run_episodes(specs, rollout.max_concurrent)
+            return run_episodes(specs, rollout.max_concurrent, judge=self.rollout_judge)
         if self.workers is None:
             self.workers = WorkerPool(rollout.workers, rollout.env, self._options(), self._live_source())
         return self.workers.play(specs, self._spec_of, rollout.max_concurrent)
@@ -279,6 +286,8 @@ class Trainer:
             config.eval.split,
             self.eval_opponent,
             gamma=self.discount,
+            env_options=config.rollout.env_options,
+            judge=self.judge,
         )
         self.backend.reset_cache()
         out: dict[str, Any] = {
@@ -292,6 +301,8 @@ class Trainer:
             out[f"eval/outcome_se/{role}"] = se
         out["eval/invalid_rate"] = result.invalid_rate
         out.update({f"eval/{k}": v for k, v in team_lines(result.teams).items()})
+        if result.judged is not None:
+            out.update({f"eval/{k}": v for k, v in judged_lines(result.judged).items()})
         out.update({f"eval/env/{k}": v for k, v in result.metrics.items()})
         out["time/eval_s"] = time.perf_counter() - start
         return out
@@ -340,7 +351,10 @@ class Trainer:
         metrics_path = self.run_dir / "metrics.jsonl"
         main = distributed.is_main()  # in data-parallel training, process 0 writes the run directory
         for iteration in range(self.iteration, config.iterations):
+            judged = self.judge.stats.as_metrics() if self.judge is not None else {}
             line = self.run_iteration(iteration)
+            if self.judge is not None:  # this iteration's requests, failures, retries, clipped scores, cache hits
+                line.update({k: v - judged[k] for k, v in self.judge.stats.as_metrics().items()})
             done = iteration + 1
             if done == config.iterations and config.eval.episodes and main:
                 final = self.evaluate(done)

@@ -221,7 +221,7 @@ class RoundsTrainer(Trainer):
         episodes = self.play(self.specs(round_index))
         self.simulator_episodes += len(episodes)
         write_episodes(self.run_dir / "episodes" / f"iter-{round_index:06d}.parquet", episodes)
-        return logged_turns(episodes, round_index, rounds.gamma), episodes
+        return logged_turns([ep for ep in episodes if not ep.judge_failed], round_index, rounds.gamma), episodes
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         config, rounds = self.config, self.config.rounds
