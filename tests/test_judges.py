@@ -167,7 +167,7 @@ def test_the_local_judge_answers_every_scale_in_range_in_one_batched_call(tmp_pa
     judge = LocalJudge(backend, "local:tiny", ResponseCache(tmp_path / "local.sqlite"))
     requests = [request(), JudgeRequest("fine-grained", "Score.", "Turn 1. Bo: hi", ("agent_1",), FINE_GRAINED)]
     first = judge.score(requests)
-    assert judge.stats.calls == 1 and judge.stats.failed == 0
+    assert judge.stats.calls == 2 and judge.stats.failed == 0  # first questions, then the rest on their prefixes
     for r, verdict in zip(requests, first):
         assert set(verdict) == set(r.agents)
         for scores in verdict.values():
@@ -175,7 +175,7 @@ def test_the_local_judge_answers_every_scale_in_range_in_one_batched_call(tmp_pa
                 d.low <= scores[d.name] <= d.high and scores[d.name] == int(scores[d.name]) for d in r.dimensions
             )
     again = judge.score(requests)
-    assert again == first and judge.stats.calls == 1 and judge.stats.cache_hits == 2 * 7 + 5
+    assert again == first and judge.stats.calls == 2 and judge.stats.cache_hits == 2 * 7 + 5
 
 
 def test_omar_trains_on_social_with_a_hybrid_judge_over_http_and_skips_failed_episodes(tmp_path, monkeypatch):
@@ -233,3 +233,55 @@ def test_omar_trains_on_social_with_a_hybrid_judge_over_http_and_skips_failed_ep
     trained = [ep.result.roles[s.name].outcome for ep in scored for s in ep.seats]
     assert line["outcome"] == pytest.approx(sum(trained) / len(trained))
     assert line["samples"] == sum(len(ep.turns) for ep in scored)
+
+
+def test_eval_command_scores_social_with_a_served_judge_and_refuses_bad_flags(tmp_path, capsys, monkeypatch):
+    from conftest import run_cli, tiny_checkpoint
+
+    from repertory.models import load_tokenizer
+
+    monkeypatch.setenv("REPERTORY_CACHE", str(tmp_path / "cache"))
+    model = str(tiny_checkpoint(tmp_path / "model", load_tokenizer(), seed=5))
+    common = ["eval", "base", "--env", "social", "--model", model, "-n", "2", "--max-new-tokens", "3"]
+    three = ("agent_1", "agent_2", "agent_3")
+    both = {a: {**json.loads(verdict_json(agents=three))[a], **{d.name: 6 for d in FINE_GRAINED}} for a in three}
+    with FakeOpenAI(lambda body, n: json.dumps(both)) as server:
+        judge = f"openai:judge-m@{server.url}"
+        code, out, err = run_cli(
+            capsys, *common, "--option", "max_turns=2", "--judge", judge, "--fine-grained", "--json"
+        )
+        kinds = {"fine-grained" if "compromise_seeking" in r["body"]["messages"][0]["content"] else "episode"
+                 for r in server.requests}  # fmt: skip
+    assert code == 0, err
+    judged = json.loads(out)["judged"]
+    assert judged["dimensions"]["goal"] == 8 and judged["judge_failed"] == 0 and kinds == {"episode", "fine-grained"}
+    assert set(judged["fine_grained"]) >= {"empathy_expression", "empathy_expression_se"}
+    for flags, message in [
+        (["--option", "max_turns"], "--option takes KEY=VALUE"),
+        (["--option", "reward=vibes"], "reward must be one of"),
+        (["--judge", "gpt"], "unknown judge 'gpt'"),
+        (["--option", "reward=judge"], "needs a judge"),
+    ]:
+        code, out, err = run_cli(capsys, *common, *flags)
+        assert code == 2 and message in err, (flags, err)
+
+
+def test_the_local_judges_prefix_reuse_gives_the_answers_of_questions_asked_one_by_one(tmp_path):
+    from repertory.generation import SamplingParams
+    from repertory.judges import dimension_messages
+    from repertory.models.chat import chat_prompt_ids
+    from repertory.types import Message
+
+    backend = make_backend("hf", tiny_model(seed=4))
+    requests = [request(context="Turn 1. Ann: I can pay 270."), request(context="Turn 1. Bo: no deal.")]
+    verdicts = LocalJudge(backend, "local:tiny").score(requests)
+    alone = make_backend("hf", tiny_model(seed=4))
+    for r, verdict in zip(requests, verdicts):
+        for agent in r.agents:
+            for d in r.dimensions:
+                chat = [Message(m["role"], m["content"]) for m in dimension_messages(r, agent, d.name)]
+                choices = alone.constraint([str(v) for v in range(d.low, d.high + 1)])
+                (g,) = alone.generate(
+                    [chat_prompt_ids(alone.tokenizer, chat)], SamplingParams(0.0, 1.0, 4), [0], [choices]
+                )
+                assert float(alone.decode(g.token_ids).strip()) == verdict[agent][d.name]
