@@ -17,7 +17,6 @@ counted); a request that fails is returned as None, and the environment flags it
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,8 +275,6 @@ def make_judge(config: JudgeConfig, device: str | None = None) -> ChatJudge | Lo
     if config.kind == "openai":
         if not config.base_url:
             raise RepertoryError("judge.kind openai needs judge.base_url (an OpenAI-compatible endpoint, e.g. .../v1)")
-        if config.api_key_env and not os.environ.get(config.api_key_env):
-            raise RepertoryError(f"judge.api_key_env names {config.api_key_env}, which is not set in the environment")
         endpoint = Endpoint(
             base_url=config.base_url,
             model=config.model,

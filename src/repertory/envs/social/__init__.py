@@ -177,6 +177,8 @@ class Social(Env):
             raise ValueError("builtin_scenarios: false needs a scenarios directory")
         self.reward = reward
         self.max_turns = max_turns
+        self._fields: dict[str, FieldSpec] = {}
+        self._fields_of: Kernel | None = None
 
     # -- kernels ----------------------------------------------------------------------------------
 
@@ -235,8 +237,12 @@ class Social(Env):
 
     @property
     def fields(self) -> dict[str, FieldSpec]:
-        agreement = (self.scenario.get("check") or {}).get("agreement")
-        return {k: FieldSpec.model_validate(v) for k, v in (agreement or {}).get("fields", {}).items()}
+        """The agreement's fields (none without a check), validated once per kernel: every parse reads them."""
+        if self._fields_of is not self.kernel:
+            agreement = (self.scenario.get("check") or {}).get("agreement")
+            self._fields = {k: FieldSpec.model_validate(v) for k, v in (agreement or {}).get("fields", {}).items()}
+            self._fields_of = self.kernel
+        return self._fields
 
     def label(self, role: str) -> str:
         return self.role_labels[self.seat_index(role)]
