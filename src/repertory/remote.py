@@ -253,37 +253,45 @@ class ChatClient:
         max_tokens: int = 1024,
         seed: int | None = None,
         stop: list[str] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
-        """One :class:`Completion` per chat, in order; never raises for a failed request.
+        """One :class:`Completion` per chat, in order; never raises for a failed request. ``seeds`` gives each
+        chat its own seed instead of ``seed``.
 
         Chats whose (model, messages, parameters) are in the cache are answered without a network
         call; the rest go out at most ``endpoint.concurrency`` at a time, and each success is cached
         under the parameters actually sent. Identical chats within one call are each sent (so sampled
         replies stay independent); the cache then holds the last.
         """
-        sampling = {
-            "temperature": float(temperature),
-            "max_tokens": int(max_tokens),
-            "seed": None if seed is None else int(seed),
-            "stop": list(stop) if stop else None,
-        }
+        if seeds is not None and len(seeds) != len(chats):
+            raise ValueError("one seed per chat is required")
+        samplings = [
+            {
+                "temperature": float(temperature),
+                "max_tokens": int(max_tokens),
+                "seed": None if chosen is None else int(chosen),
+                "stop": list(stop) if stop else None,
+            }
+            for chosen in (seeds if seeds is not None else [seed] * len(chats))
+        ]
         results: list[Completion | None] = [None] * len(chats)
         pending: list[int] = []
         json_mode = self._json_mode
         for index, messages in enumerate(chats):
             hit = None
             if self.cache is not None:
-                hit = self.cache.get(self._cache_key(messages, sampling, json_mode))
+                hit = self.cache.get(self._cache_key(messages, samplings[index], json_mode))
             if hit is None:
                 pending.append(index)
             else:
                 results[index] = Completion(text=hit, cached=True, attempts=0)
                 self._count("cache_hits")
         if len(pending) == 1:
-            results[pending[0]] = self._send(chats[pending[0]], sampling)
+            results[pending[0]] = self._send(chats[pending[0]], samplings[pending[0]])
         elif pending:
             with ThreadPoolExecutor(max_workers=min(self.endpoint.concurrency, len(pending))) as pool:
-                for index, completion in zip(pending, pool.map(lambda i: self._send(chats[i], sampling), pending)):
+                sent = pool.map(lambda i: self._send(chats[i], samplings[i]), pending)
+                for index, completion in zip(pending, sent):
                     results[index] = completion
         return [completion for completion in results if completion is not None]
 

@@ -4,7 +4,7 @@ The rollout engine gathers every pending request of every running episode, group
 and makes one ``act`` call per agent per tick, so an agent that serves many seats (a language
 model in self-play) answers all of them in one batch. :func:`repertory.agents.resolve.make_agent`
 turns an agent spec (a bot name, ``model``, ``model:PATH``, ``base``, a run or checkpoint
-directory, ``script:FILE``, ``human``) into an agent; this module holds the protocol and the
+directory, ``openai:MODEL@BASE_URL``, ``script:FILE``, ``human``) into an agent; this module holds the protocol and the
 agents that need no model.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from repertory.envs import Env
-from repertory.types import Message, RepertoryError
+from repertory.remote import ChatClient, RemoteError
+from repertory.types import Message, RepertoryError, derive
 
 
 @dataclass
@@ -85,6 +86,7 @@ class LMOptions:
     seed: int = 0
     device: str | None = None
     as_trained: tuple[str, ...] = ()
+    api_key_env: str = "OPENAI_API_KEY"  # remote (openai:) agents send this variable's key when it is set
 
 
 class BotAgent:
@@ -168,6 +170,35 @@ class HumanAgent:
         return out
 
 
+class RemoteAgent:
+    """A model behind an OpenAI-compatible endpoint (``openai:MODEL@BASE_URL``): each seat's chat goes out as
+    messages, all requests of a tick concurrently, with the client's retries and timeouts. It returns text only
+    (no token ids), so its seats are never trained; the referee treats its answers as any agent's. A request
+    that still fails after the retries stops the game with the endpoint's error rather than playing on with a
+    made-up move."""
+
+    def __init__(self, client: ChatClient, temperature: float, max_tokens: int, seed: int):
+        self.client = client
+        self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
+        endpoint = client.endpoint
+        self.name = f"openai:{endpoint.model}@{endpoint.base_url}"
+        self.policy_id = f"remote:{endpoint.model}"
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        chats = [[{"role": m.role, "content": m.content} for m in r.messages] for r in requests]
+        seeds = [
+            derive(self.seed, r.episode_id, r.seat, r.turn_index, "remote", *([r.attempt] if r.attempt else [])) % 2**31
+            for r in requests
+        ]
+        completions = self.client.complete(chats, temperature=self.temperature, max_tokens=self.max_tokens, seeds=seeds)
+        for request, completion in zip(requests, completions):
+            if completion.text is None:
+                raise RemoteError(
+                    f"{self.name} gave {request.role} of {request.episode_id} no answer: {completion.error}"
+                )
+        return [Response(c.text or "") for c in completions]
+
+
 def is_model(agent: Agent) -> bool:
     """Whether a language model writes this agent's text (not a bot, a script or a person)."""
     return not agent.policy_id.startswith("scripted:") and agent.policy_id != "human"
@@ -175,4 +206,13 @@ def is_model(agent: Agent) -> bool:
 
 def agent_names(env: type[Env]) -> list[str]:
     """The agent specs ``env`` accepts: its bots, then the generic forms."""
-    return [*env.bots, "base", "model", "model:PATH", "RUN or CHECKPOINT directory", "script:FILE", "human"]
+    return [
+        *env.bots,
+        "base",
+        "model",
+        "model:PATH",
+        "RUN or CHECKPOINT directory",
+        "openai:MODEL@BASE_URL",
+        "script:FILE",
+        "human",
+    ]

@@ -9,21 +9,25 @@ Specs, for an environment:
   frozen initial weights under full fine-tuning), so no second copy is loaded;
 - ``model:PATH``: a Hugging Face checkpoint directory, or a run or checkpoint directory of repertory (its
   trained policy, frozen, LoRA merged); a bare run or checkpoint directory is the same;
-- ``snapshot@K``: beside a live policy with an opponent pool, its snapshot of iteration K as an adapter.
+- ``snapshot@K``: beside a live policy with an opponent pool, its snapshot of iteration K as an adapter;
+- ``openai:MODEL@BASE_URL``: a model behind an OpenAI-compatible endpoint (a hosted model, or another
+  ``repertory serve``), key from the variable ``options.api_key_env`` when it is set; never trained.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, ScriptAgent, agent_names
+from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, RemoteAgent, ScriptAgent, agent_names
 from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import load_policy
+from repertory.remote import ChatClient, Endpoint
 from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
 from repertory.types import RepertoryError
 
@@ -52,6 +56,8 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
         return ScriptAgent(path)
     if spec == "human":
         return HumanAgent()
+    if spec.startswith("openai:"):
+        return remote_agent(spec, options)
     if spec == "base":
         return _base(live) if live is not None else language_model(options.model, options, "base")
     if spec == "model":
@@ -70,6 +76,18 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
     if spec.startswith("model:") and path:
         return language_model(path, options, spec)
     raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")
+
+
+def remote_agent(spec: str, options: LMOptions) -> RemoteAgent:
+    """``openai:MODEL@BASE_URL`` as an agent sampling with ``options`` (temperature, max_new_tokens, seed)."""
+    model, _, base_url = spec.removeprefix("openai:").partition("@")
+    if not model or not base_url.startswith(("http://", "https://")):
+        raise RepertoryError(
+            f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1"
+        )
+    key_env = options.api_key_env if os.environ.get(options.api_key_env) else None
+    client = ChatClient(Endpoint(base_url, model, key_env, concurrency=16))
+    return RemoteAgent(client, options.temperature, options.max_new_tokens, options.seed)
 
 
 def trained_policy(path: str, options: LMOptions, name: str | None = None, policy_id: str | None = None) -> LMAgent:

@@ -1,8 +1,8 @@
 """The ``repertory`` command line: thin wrappers that parse options, call the library and print.
 
 One module per command group (:mod:`~repertory.cli.play`, :mod:`~repertory.cli.train`, :mod:`~repertory.cli.eval`,
-:mod:`~repertory.cli.report`, :mod:`~repertory.cli.bench`). Usage errors (unknown names, bad counts, unreadable
-files) print one line on stderr and exit with status 2, never a traceback.
+:mod:`~repertory.cli.report`, :mod:`~repertory.cli.serve`, :mod:`~repertory.cli.bench`). Usage errors (unknown names,
+bad counts, unreadable files) print one line on stderr and exit with status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from repertory.cli import bench, eval, play, report, train
+from repertory.cli import bench, eval, play, report, serve, train
 from repertory.cli.common import out
 from repertory.types import RepertoryError
 
@@ -28,6 +28,7 @@ app.command()(train.train)
 app.command("eval")(eval.eval_command)
 app.command()(report.report)
 app.command()(report.export)
+app.command()(serve.serve)
 app.add_typer(bench.bench_app, name="bench")
 
 __all__ = ["app", "main", "out"]

@@ -89,14 +89,20 @@ def load_turns(path: str | Path, gamma: float, vocabulary: int, render: Render) 
         raise RepertoryError(f"{path}: no such file") from None
     except (OSError, pa.ArrowException) as exc:
         raise RepertoryError(f"{path}: not a readable Parquet file ({exc})") from None
-    columns = set(table.column_names)
+    return turns_from_rows(table.to_pylist(), set(table.column_names), str(path), gamma, vocabulary, render)
+
+
+def turns_from_rows(
+    rows: list[dict], columns: set[str], path: str, gamma: float, vocabulary: int, render: Render
+) -> list[LoggedTurn]:
+    """Logged turns from rows with the columns :func:`load_turns` describes, validated; ``path`` names their
+    source in errors."""
     missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     has_ids = {"prompt_ids", "response_ids"} <= columns
     has_text = {"messages", "response"} <= columns
     if missing or not (has_ids or has_text):
         need = ", ".join(missing) if missing else "prompt_ids + response_ids, or messages + response"
         raise RepertoryError(f"{path}: not a logged-turns file (missing columns: {need}); see the README's schema")
-    rows = table.to_pylist()
     if not rows:
         raise RepertoryError(f"{path}: no logged turns")
     for n, row in enumerate(rows):

@@ -161,6 +161,7 @@ class RoundsTrainer(Trainer):
             )
             self.archer_optimizer = torch.optim.AdamW(self.archer.parameters_to_train(), lr=config.rounds.archer.lr)
         self.simulator_episodes = 0
+        self.served_counts: dict[str, float] = {}  # round 0 from a served log: what it held and skipped
         self.discount = config.rounds.gamma
         self.offline = False
 
@@ -214,7 +215,14 @@ class RoundsTrainer(Trainer):
         self._online("a deployment")
         rounds = self.config.rounds
         if round_index == 0 and rounds.logs:
-            turns, episodes = read_logs(rounds.logs, self.env, self.loaded.tokenizer, rounds.gamma)
+            turns, episodes, served = read_logs(rounds.logs, self.env, self.loaded.tokenizer, rounds.gamma)
+            if served is not None:
+                self.served_counts = {
+                    "logs/conversations": float(served.conversations),
+                    "logs/skipped_no_outcome": float(served.skipped_no_outcome),
+                    "logs/replaced": float(served.replaced),
+                    "logs/outcomes_unmatched": float(served.outcomes_unmatched),
+                }
             if episodes:  # kept with the run, so later rounds can replay them (ArCHer's buffer)
                 write_episodes(self.run_dir / "episodes" / "iter-000000.parquet", episodes)
             return turns, episodes
@@ -235,6 +243,8 @@ class RoundsTrainer(Trainer):
             raise RepertoryError(f"round {iteration}: no logged agent turns with tokens to learn from")
         write_turns(self.turns_path(iteration), turns)
         line["time/deploy_s"] = time.perf_counter() - start
+        if iteration == 0:
+            line.update(self.served_counts)
         if episodes and not (iteration == 0 and rounds.logs):  # a deployment's own outcome, not the logs'
             line.update(rollout_metrics(episodes))
         g0 = [first_return(convo, rounds.gamma) for convo in conversations(turns).values()]

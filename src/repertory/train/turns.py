@@ -13,7 +13,8 @@ from repertory import algos
 from repertory.envs import Env
 from repertory.models.chat import render_logged
 from repertory.store import EpisodeStore, read_episodes
-from repertory.store.turns import LoggedTurn, load_turns
+from repertory.store.served import ServedRead, is_served_log, read_served
+from repertory.store.turns import LoggedTurn, load_turns, turns_from_rows
 from repertory.types import Episode, RepertoryError, derive
 
 
@@ -93,10 +94,16 @@ def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTur
     return load_turns(path, gamma, len(tokenizer), lambda messages, text: render_logged(tokenizer, messages, text))
 
 
-def read_logs(path: str | Path, env: type[Env], tokenizer: Any, gamma: float) -> tuple[list[LoggedTurn], list[Episode]]:
-    """Round 0's logs: a logged-turns Parquet file, or played episodes — an episode file or an episode store
-    directory (``repertory play --out``) — whose trained seat's turns become the logged turns."""
+def read_logs(
+    path: str | Path, env: type[Env], tokenizer: Any, gamma: float
+) -> tuple[list[LoggedTurn], list[Episode], ServedRead | None]:
+    """Round 0's logs: a served log directory (``repertory serve``; also returned, for its counts), a
+    logged-turns Parquet file, or played episodes — an episode file or an episode store directory
+    (``repertory play --out``) — whose trained seat's turns become the logged turns."""
     path = Path(path)
+    if is_served_log(path):
+        served = read_served(path)
+        return served_turns(served, str(path), tokenizer, gamma), [], served
     if path.is_dir():
         episodes, errors = EpisodeStore(path).load()
         if errors:
@@ -106,8 +113,20 @@ def read_logs(path: str | Path, env: type[Env], tokenizer: Any, gamma: float) ->
     elif path.is_file() and _is_episode_file(path):
         episodes = read_episodes(path)
     else:
-        return read_turns(path, tokenizer, gamma), []
-    return demonstration_turns(episodes, env, tokenizer, gamma), episodes
+        return read_turns(path, tokenizer, gamma), [], None
+    return demonstration_turns(episodes, env, tokenizer, gamma), episodes, None
+
+
+def served_turns(served: ServedRead, where: str, tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+    """The logged turns of a served log's conversations that have an outcome (each conversation one episode)."""
+    if not served.rows:
+        raise RepertoryError(
+            f"{where}: none of its {served.conversations} conversations has an outcome yet; post them to "
+            "/v1/outcomes (README, Serving a policy)"
+        )
+    rows = [{**row, "episode_id": row["conversation_id"]} for row in served.rows]
+    render = lambda messages, text: render_logged(tokenizer, messages, text)  # noqa: E731
+    return turns_from_rows(rows, set(rows[0]), where, gamma, len(tokenizer), render)
 
 
 def _is_episode_file(path: Path) -> bool:
