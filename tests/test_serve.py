@@ -337,6 +337,51 @@ def test_openai_agents_play_against_a_served_model(tmp_path, loaded, tokenizer, 
             broken.act([request])
 
 
+@pytest.mark.slow
+def test_openai_agents_sit_in_eval_crossplay_exploit_and_training(tmp_path, loaded, tokenizer, capsys):
+    model_dir = tiny_checkpoint(tmp_path / "tiny", tokenizer, seed=2)
+    with _server(loaded, tmp_path / "log") as url:
+        remote = f"openai:tiny@{url}"
+        code, out, err = run_cli(
+            capsys, "eval", "base", "--env", "ipd", "--vs", remote, "-n", "2", "--model", str(model_dir),
+            "--max-new-tokens", "6", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        assert json.loads(out)["episodes"] == 2
+        code, out, err = run_cli(
+            capsys, "eval", "crossplay", "--env", "ipd", "--agents", f"always-defect,{remote}", "-n", "1",
+            "--max-new-tokens", "6", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        code, out, err = run_cli(
+            capsys, "eval", "exploit", "--env", "ipd", "--victim", remote, "--iterations", "1", "--seeds", "1",
+            "-n", "2", "--out", str(tmp_path / "exploit"), "--json", "--set", f"model.name={model_dir}",
+            "--set", "rollout.kernels_per_iteration=1", "--set", "rollout.max_new_tokens=4",
+        )  # fmt: skip
+        assert code == 0, err
+        config = load_config(
+            None,
+            [
+                f"output_dir={tmp_path}", "name=vs-remote", "iterations=1", "rollout.env=ipd",
+                f"rollout.opponent={remote}", "rollout.kernels_per_iteration=1", "rollout.episodes_per_kernel=2",
+                "rollout.max_new_tokens=4", "eval.episodes=0",
+            ],
+        )  # fmt: skip
+        trainer = start_run(config, tiny_model(tokenizer, seed=1))
+        trainer.fit()
+    episodes = pq.read_table(tmp_path / "vs-remote" / "episodes" / "iter-000000.parquet").to_pylist()
+    seats = [seat for episode in episodes for seat in episode["seats"]]
+    assert {seat["agent"] for seat in seats if not seat["trainable"]} == {remote}
+    assert all(seat["trainable"] for seat in seats if seat["agent"] != remote)
+    remote_turns = [
+        turn
+        for episode in episodes
+        for turn in episode["turns"]
+        if turn["seat_id"] in {s["seat_id"] for s in episode["seats"] if s["agent"] == remote}
+    ]
+    assert remote_turns and all(turn["response_ids"] == [] for turn in remote_turns)  # text only, never trained
+
+
 def _start(model_dir: Path, log_dir: Path) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [

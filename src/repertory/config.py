@@ -61,7 +61,7 @@ class RolloutConfig(_Section):
         "self",
         description="'self' (the live policy in every seat, all trained), 'pool' (a past snapshot or a frozen copy "
         "of the live policy, see the pool section), 'base' (the frozen initial model), a bot of the environment, "
-        "or 'model:PATH'. With an opponent the live policy takes each seat in turn (in negotiations, always the "
+        "'model:PATH' or 'openai:MODEL@BASE_URL' (a served or hosted model, never trained). With an opponent the live policy takes each seat in turn (in negotiations, always the "
         "first seat; a model opponent is held to its private limits by the guard).",
     )
     kernels_per_iteration: int = Field(4, ge=1, description="Train kernels drawn per iteration.")
@@ -110,11 +110,11 @@ class RolloutConfig(_Section):
     @classmethod
     def _known_opponent(cls, opponent: str, info: ValidationInfo) -> str:
         env = info.data.get("env")
-        if env is None or opponent in ("self", "base", "pool") or opponent.startswith(("model:", "script:")):
+        if env is None or opponent in ("self", "base", "pool") or opponent.startswith(("model:", "script:", "openai:")):
             return opponent
         bots = list(env_class(env).bots)
         if opponent not in bots:
-            allowed = ", ".join(["self", "pool", "base", *bots, "model:PATH", "script:FILE"])
+            allowed = ", ".join(["self", "pool", "base", *bots, "model:PATH", "openai:MODEL@BASE_URL", "script:FILE"])
             raise ValueError(f"unknown opponent {opponent!r} for {env}; allowed: {allowed}")
         return opponent
 

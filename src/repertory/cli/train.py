@@ -36,6 +36,9 @@ def _train_progress(trainer, quiet: bool):
 
     def on_line(line: dict) -> None:
         parts = [f"iteration {line['iteration']}"]
+        if "logs/conversations" in line:  # round 0 from a served log
+            skipped = int(line["logs/skipped_no_outcome"])
+            parts.append(f"logged conversations {int(line['logs/conversations'])}, {skipped} skipped (no outcome)")
         if "outcome" in line:  # a round that learns from a user's logs plays no game
             parts.append(f"outcome {line['outcome']:.3f}")
         if "eval/outcome" in line:
