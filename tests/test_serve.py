@@ -455,3 +455,18 @@ def test_a_killed_server_keeps_every_written_part_and_a_restart_appends(tmp_path
     served = read_served(log_dir)
     assert served.completions == len(logged) + 1 and served.replaced == 1  # k0-0's t = 0 answered twice
     assert [r["request_id"] for r in served.rows] == [after["id"]]
+
+
+def test_serve_usage_errors_exit_2_with_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("REPERTORY_API_KEY", raising=False)
+    cases = [
+        (["serve", "base", "--host", "0.0.0.0"], "give --api-key or set REPERTORY_API_KEY"),
+        (["serve", "base", "--env", "ipd"], "--env and --role go together"),
+        (["serve", "base", "--env", "ipd", "--role", "judge"], "ipd has no role 'judge'; choose from Alice, Bob"),
+        (["serve", "base", "--api-key-env", "NO_SUCH_VARIABLE_SET"], "NO_SUCH_VARIABLE_SET: the variable is not set"),
+        (["serve", "model:/no/such/dir"], "/no/such/dir: no such checkpoint directory"),
+        (["serve", "base", "--port", "70000"], "--port must be 0..65535"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli(capsys, *args)
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)

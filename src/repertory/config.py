@@ -61,7 +61,8 @@ class RolloutConfig(_Section):
         "self",
         description="'self' (the live policy in every seat, all trained), 'pool' (a past snapshot or a frozen copy "
         "of the live policy, see the pool section), 'base' (the frozen initial model), a bot of the environment, "
-        "'model:PATH' or 'openai:MODEL@BASE_URL' (a served or hosted model, never trained). With an opponent the live policy takes each seat in turn (in negotiations, always the "
+        "'model:PATH' or 'openai:MODEL@BASE_URL' (a served or hosted model, never trained). With an opponent "
+        "the live policy takes each seat in turn (in negotiations, always the "
         "first seat; a model opponent is held to its private limits by the guard).",
     )
     kernels_per_iteration: int = Field(4, ge=1, description="Train kernels drawn per iteration.")

@@ -17,6 +17,10 @@ def serve(
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; any but loopback needs an API key."),
     port: int = typer.Option(8000, "--port", help="Port to bind (0: any free port, printed at start)."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", help="The key every /v1 request must carry (visible to other users of this machine in "
+        "its process list: prefer the variable)."
+    ),
     api_key_env: str = typer.Option(
         "REPERTORY_API_KEY", "--api-key-env", help="Variable holding the key every /v1 request must carry."
     ),
@@ -42,8 +46,8 @@ def serve(
 
     if (env is None) != (role is None):
         raise RepertoryError("--env and --role go together: the game and the seat the model plays")
-    key = os.environ.get(api_key_env) or None
-    if api_key_env != API_KEY_ENV and key is None:
+    key = api_key or os.environ.get(api_key_env) or None
+    if api_key is None and api_key_env != API_KEY_ENV and key is None:
         raise RepertoryError(f"--api-key-env {api_key_env}: the variable is not set")
     if not 0 <= port <= 65535:
         raise RepertoryError(f"--port must be 0..65535 (got {port})")
