@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from repertory.remote import ChatClient, Endpoint, ResponseCache
+from repertory.remote import ChatClient, Endpoint, ResponseCache, openai_spec
 from repertory.types import JudgeRequest, RepertoryError, Verdict
 
 if TYPE_CHECKING:
@@ -258,12 +258,12 @@ def judge_config(spec: str, api_key_env: str | None = None, fine_grained: bool =
         return JudgeConfig(fine_grained=fine_grained)
     if spec == "local" or spec.startswith("local:"):
         return JudgeConfig(kind="local", model=spec.partition(":")[2] or "smollm2", fine_grained=fine_grained)
-    if spec.startswith("openai:") and "@" in spec:
-        model, _, base_url = spec[len("openai:") :].partition("@")
-        if model and base_url:
-            return JudgeConfig(
-                kind="openai", model=model, base_url=base_url, api_key_env=api_key_env, fine_grained=fine_grained
-            )
+    endpoint = openai_spec(spec)
+    if endpoint is not None:
+        model, base_url = endpoint
+        return JudgeConfig(
+            kind="openai", model=model, base_url=base_url, api_key_env=api_key_env, fine_grained=fine_grained
+        )
     raise RepertoryError(f"unknown judge {spec!r}; use none, local, local:PATH or openai:MODEL@BASE_URL")
 
 

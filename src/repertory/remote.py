@@ -36,6 +36,15 @@ MESSAGE_CHARS = 200
 RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx
 
 
+def openai_spec(spec: str) -> tuple[str, str] | None:
+    """(model, base URL) of a spec ``openai:MODEL@BASE_URL`` (judges and agents name endpoints so); None when
+    ``spec`` is not of that form."""
+    model, _, base_url = spec.removeprefix("openai:").partition("@")
+    if not spec.startswith("openai:") or not model or not base_url:
+        return None
+    return model, base_url
+
+
 class RemoteError(RepertoryError):
     """A remote endpoint is misconfigured (for example its API key variable is named but unset)."""
 

@@ -26,6 +26,7 @@ import json
 import logging
 import queue
 import re
+import socket
 import threading
 import time
 import uuid
@@ -89,6 +90,7 @@ class ServedPolicy:
     backend: Backend
     name: str
     policy_id: str
+    run_dir: Path | None = None  # the run it was trained in (its log goes to RUN/served by default)
 
 
 def load_served_policy(
@@ -100,10 +102,10 @@ def load_served_policy(
     path = spec.removeprefix("model:")
     if spec != "base" and is_run_or_checkpoint(path):
         checkpoint, config = resolve_checkpoint(path)
-        run = Path(path) if (Path(path) / "config.yaml").is_file() else Path(path).parent.parent
+        run = checkpoint.parent.parent  # RUN/checkpoints/STEP
         engine = make_backend(backend or config.rollout.backend, load_policy(checkpoint, config, device))
         step = int(checkpoint.name)
-        return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}")
+        return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}", run)
     if spec == "base":
         return ServedPolicy(make_backend(backend or "hf", load_model(model, device)), name or "base", "base")
     if spec.startswith("model:") and path:
@@ -635,6 +637,27 @@ def _context_length(backend: Backend) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket, so the URL (a free port for 0) is known before uvicorn serves it."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise RepertoryError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _uvicorn(app: FastAPI) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10)
+    return uvicorn.Server(config)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
 def serve(
     policy: ServedPolicy,
     options: ServeOptions,
@@ -642,25 +665,12 @@ def serve(
     seat: SeatPrompt | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Run the server until interrupted (SIGINT or SIGTERM end it cleanly)."""
-    import uvicorn
-
-    app = create_app(policy, options, served_log, seat)
-    config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level="warning", access_log=False, timeout_graceful_shutdown=10
-    )
-    server = uvicorn.Server(config)
+    """Run the server until interrupted (SIGINT or SIGTERM end it cleanly); ``on_ready`` gets its URL once the
+    socket listens."""
+    sock = _bind(options.host, options.port)
     if on_ready is not None:
-        original = server.startup
-
-        async def startup(sockets: Any = None) -> None:
-            await original(sockets)
-            if server.started:
-                bound = server.servers[0].sockets[0].getsockname() if server.servers else (options.host, options.port)
-                on_ready(f"http://{options.host}:{bound[1]}/v1")
-
-        server.startup = startup  # type: ignore[method-assign]
-    server.run()
+        on_ready(_url(sock))
+    _uvicorn(create_app(policy, options, served_log, seat)).run(sockets=[sock])
 
 
 class ServerThread:
@@ -673,15 +683,12 @@ class ServerThread:
     def __init__(
         self, policy: ServedPolicy, options: ServeOptions, served_log: ServedLog, seat: SeatPrompt | None = None
     ):
-        import uvicorn
-
-        app = create_app(policy, options, served_log, seat)
-        self.app = app
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False)
+        self.server = _uvicorn(create_app(policy, options, served_log, seat))
+        self._socket = _bind(options.host, options.port)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="repertory-serve", daemon=True
         )
-        self._thread = threading.Thread(target=self.server.run, name="repertory-serve", daemon=True)
-        self.url = ""
+        self.url = _url(self._socket)
 
     def __enter__(self) -> str:
         self._thread.start()
@@ -690,8 +697,6 @@ class ServerThread:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RepertoryError("the server did not start")
             time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}/v1"
         return self.url
 
     def __exit__(self, *exc: object) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from repertory.envs import Env
+from repertory.models.chat import chat_dicts
 from repertory.remote import ChatClient, RemoteError
 from repertory.types import Message, RepertoryError, derive
 
@@ -185,7 +186,7 @@ class RemoteAgent:
         self.policy_id = f"remote:{endpoint.model}"
 
     def act(self, requests: list[Request]) -> list[Response]:
-        chats = [[{"role": m.role, "content": m.content} for m in r.messages] for r in requests]
+        chats = [chat_dicts(r.messages) for r in requests]
         seeds = [
             derive(self.seed, r.episode_id, r.seat, r.turn_index, "remote", *([r.attempt] if r.attempt else [])) % 2**31
             for r in requests

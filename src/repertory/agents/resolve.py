@@ -27,7 +27,7 @@ from repertory.envs import Env
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import load_policy
-from repertory.remote import ChatClient, Endpoint
+from repertory.remote import ChatClient, Endpoint, openai_spec
 from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
 from repertory.types import RepertoryError
 
@@ -80,11 +80,10 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
 
 def remote_agent(spec: str, options: LMOptions) -> RemoteAgent:
     """``openai:MODEL@BASE_URL`` as an agent sampling with ``options`` (temperature, max_new_tokens, seed)."""
-    model, _, base_url = spec.removeprefix("openai:").partition("@")
-    if not model or not base_url.startswith(("http://", "https://")):
-        raise RepertoryError(
-            f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1"
-        )
+    endpoint = openai_spec(spec)
+    if endpoint is None:
+        raise RepertoryError(f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1")
+    model, base_url = endpoint
     key_env = options.api_key_env if os.environ.get(options.api_key_env) else None
     client = ChatClient(Endpoint(base_url, model, key_env, concurrency=16))
     return RemoteAgent(client, options.temperature, options.max_new_tokens, options.seed)

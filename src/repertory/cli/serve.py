@@ -18,8 +18,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; any but loopback needs an API key."),
     port: int = typer.Option(8000, "--port", help="Port to bind (0: any free port, printed at start)."),
     api_key: str | None = typer.Option(
-        None, "--api-key", help="The key every /v1 request must carry (visible to other users of this machine in "
-        "its process list: prefer the variable)."
+        None,
+        "--api-key",
+        help="The key every /v1 request must carry (visible to other users of this machine in "
+        "its process list: prefer the variable).",
     ),
     api_key_env: str = typer.Option(
         "REPERTORY_API_KEY", "--api-key-env", help="Variable holding the key every /v1 request must carry."
@@ -63,8 +65,7 @@ def serve(
     )
     seat = SeatPrompt(env, role) if env is not None and role is not None else None
     served = load_served_policy(policy, backend, model, device, name)
-    is_run = policy != "base" and (Path(policy.removeprefix("model:")) / "config.yaml").is_file()
-    directory = log_dir or (Path(policy) / "served" if is_run else Path("served"))
+    directory = log_dir or (served.run_dir / "served" if served.run_dir is not None else Path("served"))
     served_log = ServedLog(directory, served.name, served.policy_id, len(served.backend.tokenizer))
 
     def ready(url: str) -> None:

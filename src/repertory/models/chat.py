@@ -7,11 +7,16 @@ from typing import Any
 from repertory.types import Message
 
 
+def chat_dicts(messages: list[Message]) -> list[dict[str, str]]:
+    """A chat as the ``{role, content}`` messages of chat templates and chat-completion APIs (what a model is
+    shown; the channel is not part of it)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     """A chat rendered with the tokenizer's chat template, ready for the assistant turn (what a policy samples
     from, and what logged turns are rendered to)."""
-    chat = [{"role": m.role, "content": m.content} for m in messages]
-    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    encoded = tokenizer.apply_chat_template(chat_dicts(messages), add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 

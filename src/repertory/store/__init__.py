@@ -102,7 +102,8 @@ class StoreError(RepertoryError):
         self.path = path
 
 
-def _messages(messages: list[Message]) -> list[dict[str, str]]:
+def message_rows(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as the rows of a ``MESSAGE_TYPE`` column."""
     return [{"role": m.role, "content": m.content, "channel": m.channel} for m in messages]
 
 
@@ -123,7 +124,7 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
                 "turn_index": t.turn_index,
                 "global_step": t.global_step,
                 "game_round": t.game_round,
-                "observation": _messages(t.observation),
+                "observation": message_rows(t.observation),
                 "text": t.text,
                 "action_tag": t.action.tag if t.action else None,
                 "action_value": json.dumps(t.action.value) if t.action else None,
@@ -142,12 +143,12 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
         "end_reason": ep.result.end_reason,
         "result_info": json.dumps(ep.result.info, sort_keys=True),
         "metrics": [{"name": k, "value": v} for k, v in ep.metrics.items()],
-        "final_observations": [{"seat_id": s, "messages": _messages(m)} for s, m in ep.final_observations.items()],
+        "final_observations": [{"seat_id": s, "messages": message_rows(m)} for s, m in ep.final_observations.items()],
     }
 
 
-def _unmessages(rows: list[dict[str, str]]) -> list[Message]:
-    # Files written before channels were recorded have none.
+def row_messages(rows: list[dict[str, str]]) -> list[Message]:
+    """The messages of a ``MESSAGE_TYPE`` column's rows (files written before channels were recorded have none)."""
     return [Message(r["role"], r["content"], r.get("channel") or "") for r in rows]  # type: ignore[arg-type]
 
 
@@ -164,7 +165,7 @@ def _row_episode(row: dict[str, Any]) -> Episode:
                 turn_index=t["turn_index"],
                 global_step=t["global_step"],
                 game_round=t["game_round"],
-                observation=_unmessages(t["observation"]),
+                observation=row_messages(t["observation"]),
                 text=t["text"],
                 action=Action(t["action_tag"], json.loads(t["action_value"])) if t["action_tag"] is not None else None,
                 error=t["error"],
@@ -187,7 +188,7 @@ def _row_episode(row: dict[str, Any]) -> Episode:
             info=json.loads(row["result_info"]),
         ),
         metrics={m["name"]: m["value"] for m in row["metrics"]},
-        final_observations={f["seat_id"]: _unmessages(f["messages"]) for f in row["final_observations"]},
+        final_observations={f["seat_id"]: row_messages(f["messages"]) for f in row["final_observations"]},
         group_id=row["group_id"],
         iteration=row["iteration"],
     )

@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from repertory.store import MESSAGE_TYPE, write_table
+from repertory.store import MESSAGE_TYPE, message_rows, write_table
 from repertory.types import Message, RepertoryError
 
 FORMAT = "repertory-served-log"
@@ -132,7 +132,7 @@ class ServedLog:
         rows = []
         for turn in turns:
             row = {name: getattr(turn, name) for name in SERVED_SCHEMA.names}
-            row["messages"] = [{"role": m.role, "content": m.content, "channel": m.channel} for m in turn.messages]
+            row["messages"] = message_rows(turn.messages)
             rows.append(row)
         path = write_table(self._part("turns"), pa.Table.from_pylist(rows, schema=SERVED_SCHEMA))
         with self._lock:
@@ -185,13 +185,16 @@ class ServedRead:
     ``outcome``), and the counts a trainer reports."""
 
     rows: list[dict[str, Any]]
-    parts: int = 0
     completions: int = 0
     conversations: int = 0
-    skipped_no_outcome: int = 0  # conversations kept in the log but not learned from
     replaced: int = 0  # completions superseded by a later one of the same (conversation, t)
     outcomes_unmatched: int = 0  # outcomes posted for conversations the log does not hold
-    skipped_ids: list[str] = field(default_factory=list)
+    skipped_ids: list[str] = field(default_factory=list)  # conversations kept in the log but not learned from
+
+    @property
+    def skipped_no_outcome(self) -> int:
+        """How many conversations have no outcome yet."""
+        return len(self.skipped_ids)
 
 
 def read_served(directory: str | Path) -> ServedRead:
@@ -218,10 +221,8 @@ def read_served(directory: str | Path) -> ServedRead:
             kept.append({**row, "outcome": outcomes[conversation_id][0]})
     return ServedRead(
         rows=kept,
-        parts=len(_parts(directory, "turns")) + len(_parts(directory, "outcomes")),
         completions=len(turns),
         conversations=len(conversation_ids),
-        skipped_no_outcome=len(skipped),
         replaced=len(turns) - len(latest),
         outcomes_unmatched=len(set(outcomes) - conversation_ids),
         skipped_ids=skipped,

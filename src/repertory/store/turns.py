@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from repertory.store import MESSAGE_TYPE, write_table
+from repertory.store import MESSAGE_TYPE, message_rows, row_messages, write_table
 from repertory.types import Message, RepertoryError
 
 
@@ -68,7 +68,7 @@ def write_turns(path: str | Path, turns: Iterable[LoggedTurn]) -> Path:
     rows = []
     for turn in turns:
         row = {name: getattr(turn, name) for name in TURN_SCHEMA.names}
-        row["messages"] = [{"role": m.role, "content": m.content, "channel": m.channel} for m in turn.messages]
+        row["messages"] = message_rows(turn.messages)
         rows.append(row)
     return write_table(path, pa.Table.from_pylist(rows, schema=TURN_SCHEMA))
 
@@ -134,7 +134,7 @@ def turns_from_rows(
         t = int(row["t"])
         if not 0 <= t <= T:
             raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
-        messages = [Message(m["role"], m["content"], m.get("channel") or "") for m in row.get("messages") or []]
+        messages = row_messages(row.get("messages") or [])
         if has_ids and row.get("prompt_ids") and row.get("response_ids"):
             prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
             if not all(0 <= i < vocabulary for i in prompt + response):

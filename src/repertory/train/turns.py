@@ -14,7 +14,7 @@ from repertory.envs import Env
 from repertory.models.chat import render_logged
 from repertory.store import EpisodeStore, read_episodes
 from repertory.store.served import ServedRead, is_served_log, read_served
-from repertory.store.turns import LoggedTurn, load_turns, turns_from_rows
+from repertory.store.turns import LoggedTurn, Render, load_turns, turns_from_rows
 from repertory.types import Episode, RepertoryError, derive
 
 
@@ -91,7 +91,11 @@ def demonstration_turns(episodes: list[Episode], env: type[Env], tokenizer: Any,
 def read_turns(path: str | Path, tokenizer: Any, gamma: float) -> list[LoggedTurn]:
     """Logged turns from a Parquet file (:func:`repertory.store.turns.load_turns`), text turns rendered with the
     policy's chat template."""
-    return load_turns(path, gamma, len(tokenizer), lambda messages, text: render_logged(tokenizer, messages, text))
+    return load_turns(path, gamma, len(tokenizer), _renderer(tokenizer))
+
+
+def _renderer(tokenizer: Any) -> Render:
+    return lambda messages, text: render_logged(tokenizer, messages, text)
 
 
 def read_logs(
@@ -125,8 +129,7 @@ def served_turns(served: ServedRead, where: str, tokenizer: Any, gamma: float) -
             "/v1/outcomes (README, Serving a policy)"
         )
     rows = [{**row, "episode_id": row["conversation_id"]} for row in served.rows]
-    render = lambda messages, text: render_logged(tokenizer, messages, text)  # noqa: E731
-    return turns_from_rows(rows, set(rows[0]), where, gamma, len(tokenizer), render)
+    return turns_from_rows(rows, set(rows[0]), where, gamma, len(tokenizer), _renderer(tokenizer))
 
 
 def _is_episode_file(path: Path) -> bool:
