@@ -44,6 +44,12 @@ class Message:
     channel: str = ""
 
 
+def chat_dicts(messages: list[Message]) -> list[dict[str, str]]:
+    """A chat as the ``{role, content}`` messages of chat templates and chat-completion APIs (what a model is
+    shown; the channel is not part of it)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One scenario instance: everything private to every role, generated from (env, split, index).

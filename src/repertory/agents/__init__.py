@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from repertory.envs import Env
-from repertory.models.chat import chat_dicts
 from repertory.remote import ChatClient, RemoteError
-from repertory.types import Message, RepertoryError, derive
+from repertory.types import Message, RepertoryError, chat_dicts, derive
 
 
 @dataclass

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from repertory.types import Message
-
-
-def chat_dicts(messages: list[Message]) -> list[dict[str, str]]:
-    """A chat as the ``{role, content}`` messages of chat templates and chat-completion APIs (what a model is
-    shown; the channel is not part of it)."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+from repertory.types import Message, chat_dicts
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
