@@ -22,7 +22,14 @@ $(ENGINES): $(STAMP)
 	$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(ENGINES)
 
-test: $(STAMP) $(ENGINES)
+# The browser the report's page is tested in: Debian's Chromium (the tests drive it with Playwright, which
+# downloads no browser of its own).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+$(CHROMIUM):
+	$(SUDO) apt-get install -y -q chromium > /dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
+
+test: $(STAMP) $(ENGINES) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q

@@ -352,8 +352,10 @@ def test_eval_crossplay_tables_and_heat_map(capsys, monkeypatch, tmp_path):
     assert "cooperation per agent" in out and "mutual_cooperation_rate" in out
     assert "suspicious-tit-for-tat" in out and "win-stay-lose-shift" in out
     figure = tmp_path / "figs" / "crossplay-ipd.png"
-    assert f"heat map: {figure}" in out
+    assert f"heat map: {figure}; results: {figure.with_suffix('.json')}" in out
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(figure.with_suffix(".json").read_text())
+    assert saved["agents"] == LINE_UP.split(",") and saved["W"]["always-cooperate"]["always-cooperate"] == 1.0
 
 
 def test_eval_crossplay_json_with_out_keeps_stdout_json(capsys, tmp_path):
@@ -372,7 +374,9 @@ def test_eval_crossplay_json_with_out_keeps_stdout_json(capsys, tmp_path):
         str(tmp_path),
     )
     assert code == 0 and json.loads(out)["strategies"] is None
-    assert err.strip() == f"heat map: {tmp_path / 'crossplay-split-no-comm.png'}"
+    saved = tmp_path / "crossplay-split-no-comm.json"
+    assert err.strip().startswith(f"heat map: {tmp_path / 'crossplay-split-no-comm.png'}; results: {saved}")
+    assert json.loads(saved.read_text()) == json.loads(out)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.models.checkpoints import load_policy
 from repertory.rollout import run_episodes
 from repertory.runs import complete_checkpoints, resolve_checkpoint
-from repertory.store import read_episodes
+from repertory.store import read_credit, read_episodes
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
 from repertory.types import RepertoryError
@@ -145,6 +145,14 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     assert lines[1]["offpolicy/max_gap"] <= 1e-4 and lines[1]["offpolicy/weight_mean"] == 1.0
     assert [c.name for c in complete_checkpoints(run_dir)] == ["000002", "000003"]  # keep_checkpoints = 2
     assert {p.name for p in (run_dir / "report").iterdir()} >= {"outcome.png", "losses.png", "kl_entropy.png"}
+    assert (run_dir / "report" / "index.html").is_file()
+    credit = [read_credit(run_dir / "credit" / f"iter-{i:06d}.parquet") for i in range(3)]
+    trained = [
+        {(ep.episode_id, t.seat_id, t.turn_index) for ep in episodes if ep.iteration == i for t in ep.turns}
+        for i in range(3)
+    ]
+    assert [set(c) for c in credit] == trained  # self-play: every turn of every seat is trained and credited
+    assert all(ret is not None for c in credit for _, ret in c.values())  # omar has a critic: returns too
 
     # the same run, killed after iteration 2 with debris a crash could leave, then resumed
     interrupted = start_run(_config(tmp_path, "interrupted"), tiny_model(tokenizer, seed=2))
@@ -164,6 +172,7 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     assert resumed.iteration == 2
     resumed.fit()
     assert _comparable(_lines(broken)) == _comparable(lines)
+    assert [read_credit(broken / "credit" / f"iter-{i:06d}.parquet") for i in range(3)] == credit
     a, b = _adapter(complete_checkpoints(run_dir)[-1]), _adapter(complete_checkpoints(broken)[-1])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert not list((broken / "checkpoints").glob(".tmp-*"))

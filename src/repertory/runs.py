@@ -1,9 +1,11 @@
 """The run directory: its name, its checkpoints, and what resuming keeps.
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per iteration),
-``episodes/iter-K.parquet``, ``checkpoints/NNNNNN/`` and ``report/``. A checkpoint directory is written under a
-temporary name, fsynced, marked ``COMPLETE`` and renamed, so a run killed at any moment resumes from its newest
-complete checkpoint; :func:`truncate_after` drops what an interrupted iteration wrote after it.
+``episodes/iter-K.parquet``, ``credit/iter-K.parquet`` (each trained turn's advantage and return),
+``checkpoints/NNNNNN/`` and ``report/`` (figures and the self-contained ``index.html``). A checkpoint directory
+is written under a temporary name, fsynced, marked ``COMPLETE`` and renamed, so a run killed at any moment
+resumes from its newest complete checkpoint; :func:`truncate_after` drops what an interrupted iteration wrote
+after it.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def write_checkpoint(run_dir: Path, done: int, fill: Callable[[Path], None], kee
 
 def truncate_after(run_dir: Path, done: int) -> None:
     """Discard what the run wrote after its checkpoint ``done``: half-written checkpoint directories, metrics
-    lines and episode files of later iterations, so the continued run equals an uninterrupted one."""
+    lines, episode and credit files of later iterations, so the continued run equals an uninterrupted one."""
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     metrics_path = run_dir / "metrics.jsonl"
@@ -111,7 +113,7 @@ def truncate_after(run_dir: Path, done: int) -> None:
         tmp = metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, metrics_path)
-    for part in (run_dir / "episodes").glob("iter-*.parquet"):
+    for part in [*(run_dir / "episodes").glob("iter-*.parquet"), *(run_dir / "credit").glob("iter-*.parquet")]:
         if int(part.stem.split("-")[1]) >= done:
             part.unlink()
     (run_dir / "episodes").mkdir(parents=True, exist_ok=True)

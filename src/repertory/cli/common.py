@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from repertory.eval import JudgedStats, TeamStats
 
 out = Console(highlight=False, soft_wrap=True)
+err = Console(highlight=False, soft_wrap=True, stderr=True)
 SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 

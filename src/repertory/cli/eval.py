@@ -155,7 +155,10 @@ def _eval_crossplay(
             panels["W: mean normalised collective payoff"] = data["W"]
         title = f"{cls.name} cross-play ({split}): {2 * episodes} games per pair, {episodes} in each seat order"
         path = write_matrix_figure(out_dir / f"crossplay-{cls.name}.png", title, names, panels)
-        print(f"heat map: {path}", file=sys.stderr if as_json else sys.stdout)
+        saved = out_dir / f"crossplay-{cls.name}.json"
+        saved.write_text(json.dumps(data, indent=1))
+        stream = sys.stderr if as_json else sys.stdout
+        print(f"heat map: {path}; results: {saved} (a run directory's report page shows them)", file=stream)
 
 
 def _eval_exploit(

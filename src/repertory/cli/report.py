@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from repertory.cli.common import out
+from repertory.cli.common import err, out
 from repertory.types import RepertoryError
 
 
@@ -18,8 +18,12 @@ def report(
     ),
     checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
     out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
+    max_episodes: int = typer.Option(
+        300, "--max-episodes", min=0, help="Episodes in the page's browser; more are sampled evenly across iterations."
+    ),
 ) -> None:
-    """Redraw a run's learning curves into RUN/report, or (--table) the held-out expected discounted return of
+    """Redraw a run's learning curves and its page RUN/report/index.html (curves, config, evaluations and an
+    episode browser; self-contained, opens from file://), or (--table) the held-out expected discounted return of
     methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
     from repertory.report import results_table, write_report
 
@@ -27,7 +31,7 @@ def report(
         for run in runs:
             if not (run / "config.yaml").is_file():
                 raise RepertoryError(f"{run} is not a run directory (no config.yaml)")
-            for path in write_report(run):
+            for path in write_report(run, max_episodes, lambda warning: err.print(f"warning: {warning}")):
                 out.print(str(path))
         return
     result = results_table(runs, checkpoint)

@@ -114,8 +114,9 @@ def train(
     if not distributed.is_main():
         return
     out.print(f"run: {run_dir}")
-    out.print(f"report: {run_dir / 'report'} (learning curves); metrics: {run_dir / 'metrics.jsonl'}")
+    out.print(f"metrics: {run_dir / 'metrics.jsonl'}; learning curves: {run_dir / 'report'}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
+    out.print(f"report (open it in a browser): {(run_dir / 'report' / 'index.html').resolve()}")
 
 
 def _train_suite(suite, quiet: bool) -> None:

@@ -94,6 +94,20 @@ SCHEMA = pa.schema(
 )
 
 
+CREDIT_SCHEMA = pa.schema(
+    [
+        ("episode_id", pa.string()),
+        ("seat_id", pa.string()),
+        ("turn_index", pa.int32()),
+        ("advantage", pa.float64()),
+        ("return", pa.float64()),
+    ],
+    metadata={"repertory.schema_version": SCHEMA_VERSION},
+)
+"""What the estimator credited each trained turn with: the mean of the turn's per-token advantages as the loss
+used them (after whitening), and the critic's target at the turn's last token (null for critic-free estimators)."""
+
+
 class StoreError(RepertoryError):
     """A file of the store that cannot be read; the message names it."""
 
@@ -239,6 +253,21 @@ def read_episodes(path: str | Path) -> list[Episode]:
         return [_row_episode(row) for row in table.select(SCHEMA.names).to_pylist()]
     except (KeyError, TypeError, ValueError) as exc:
         raise StoreError(path, f"malformed episode record ({exc.__class__.__name__}: {exc})") from None
+
+
+def write_credit(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """Write one iteration's per-turn credit (rows of ``CREDIT_SCHEMA``) atomically."""
+    return write_table(path, pa.Table.from_pylist(rows, schema=CREDIT_SCHEMA))
+
+
+def read_credit(path: str | Path) -> dict[tuple[str, str, int], tuple[float, float | None]]:
+    """(advantage, return) per (episode id, seat id, turn index) of one credit file; StoreError if unreadable."""
+    path = Path(path)
+    try:
+        rows = pq.read_table(path).to_pylist()
+        return {(r["episode_id"], r["seat_id"], r["turn_index"]): (r["advantage"], r["return"]) for r in rows}
+    except (OSError, pa.ArrowException, KeyError) as exc:
+        raise StoreError(path, f"not a readable credit file ({exc})") from None
 
 
 _PART = re.compile(r"part-(\d{6,})\.parquet")

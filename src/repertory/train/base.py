@@ -34,6 +34,7 @@ from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
 from repertory.runs import write_checkpoint
+from repertory.store import write_credit
 from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
@@ -273,6 +274,34 @@ class Trainer:
             errors = [float(((batch.values[i] - returns[i]) ** 2).mean()) for i in returns if batch.samples[i].n_tokens]
             metrics["value/mse"] = sum(errors) / len(errors)
         return advantages, returns, metrics
+
+    def write_credit(
+        self,
+        iteration: int,
+        batch: Batch,
+        advantages: dict[int, torch.Tensor],
+        returns: dict[int, torch.Tensor] | None,
+    ) -> None:
+        """Persist each trained turn's advantage and return next to the iteration's episodes (``credit/``), for
+        the report's episode browser."""
+        if not distributed.is_main():
+            return
+        rows = []
+        for ref in batch.trajectories:
+            for index in ref.samples:
+                if index not in advantages:
+                    continue
+                target = returns.get(index) if returns is not None else None
+                rows.append(
+                    {
+                        "episode_id": ref.episode.episode_id,
+                        "seat_id": ref.seat_id,
+                        "turn_index": batch.samples[index].turn,
+                        "advantage": float(advantages[index].mean()),
+                        "return": float(target[-1]) if target is not None and target.numel() else None,
+                    }
+                )
+        write_credit(self.run_dir / "credit" / f"iter-{iteration:06d}.parquet", rows)
 
     def evaluate(self, iteration: int) -> dict[str, Any]:
         """Held-out evaluation of the live policy (deterministic in seed and iteration)."""

@@ -61,6 +61,7 @@ class OnlineTrainer(Trainer):
         self.backend.offload()  # the learner takes the device (a colocated vLLM engine sleeps until sync)
         mismatch = self.learner.score(batch)
         advantages, returns, estimate_metrics = self.advantages(batch)
+        self.write_credit(iteration, batch, advantages, returns)
         update = self.learner.update(batch, advantages, returns, iteration)
         train_s = time.perf_counter() - start
         self.sync()

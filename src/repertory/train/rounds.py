@@ -446,6 +446,7 @@ def mt_ppo(
     trainer.backend.offload()
     mismatch = trainer.learner.score(batch)
     advantages, returns, metrics = trainer.advantages(batch)
+    trainer.write_credit(round_index, batch, advantages, returns)
     metrics.update(mismatch)
     metrics.update(trainer.learner.update(batch, advantages, returns, f"mt-ppo/{round_index}", epochs))
     return metrics

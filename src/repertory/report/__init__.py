@@ -1,8 +1,10 @@
-"""Figures: learning curves of a run, drawn from its metrics.jsonl into ``report/``, and cross-play heat maps."""
+"""A run's report: learning curves drawn from its metrics.jsonl into ``report/``, the self-contained page
+``report/index.html`` (:mod:`repertory.report.page`), cross-play heat maps and the results table of many runs."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +67,14 @@ def _series(lines: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str,
     return out
 
 
-def write_report(run_dir: str | Path) -> list[Path]:
-    """Draw every figure that has data; returns the files written."""
+def write_report(
+    run_dir: str | Path, max_episodes: int | None = None, on_warning: Callable[[str], None] | None = None
+) -> list[Path]:
+    """Draw every figure that has data and write ``report/index.html`` (at most ``max_episodes`` episodes, by
+    default :data:`page.MAX_EPISODES`); returns the files written, the page last. Each episode or credit file
+    that cannot be read is left out of the page and named to ``on_warning``."""
+    from repertory.report.page import MAX_EPISODES, write_page
+
     run_dir = Path(run_dir)
     lines = _with_final(read_metrics(run_dir))
     out_dir = run_dir / "report"
@@ -94,7 +102,10 @@ def write_report(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    return written
+    page, warnings = write_page(run_dir, MAX_EPISODES if max_episodes is None else max_episodes)
+    for warning in warnings if on_warning is not None else []:
+        on_warning(warning)
+    return [*written, page]
 
 
 def write_matrix_figure(

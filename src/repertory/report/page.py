@@ -1,0 +1,220 @@
+"""``report/index.html``: one self-contained page per run (no server, no network; it opens from ``file://``).
+
+The page holds the learning curves (the series the PNG figures draw), the resolved config, the held-out
+evaluations of the metrics lines, any cross-play results saved into the run (``crossplay-ENV.json``), and an
+episode browser: every seat's transcript as that seat saw it, with channels, invalid actions and the referee's
+reason, rewards and, for trained turns, the advantage and return the estimator gave (``credit/``). Large runs
+are sampled evenly across iterations so the file stays under :data:`MAX_BYTES`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from repertory.report import FIGURES, _series, _with_final, read_metrics
+from repertory.store import StoreError, read_credit, read_episodes
+from repertory.types import Episode, RepertoryError
+
+MAX_EPISODES = 300
+"""Episodes the browser shows by default; a run with more is sampled evenly across its iterations."""
+MAX_BYTES = 20 * 1024 * 1024
+"""The page's size bound: the episode sample is halved until the file fits."""
+MAX_MESSAGE_CHARS = 6000
+"""A longer message is cut in the page (the episode files keep it whole), marked with how much was cut."""
+
+Credit = dict[tuple[str, str, int], tuple[float, float | None]]
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + f"\n[... {len(text) - MAX_MESSAGE_CHARS} more characters in the episode file]"
+
+
+def _messages(messages: list[Any]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": _clip(m.content), "channel": m.channel} for m in messages]
+
+
+def episode_record(ep: Episode, credit: Credit) -> dict[str, Any]:
+    """One episode as the page's browser reads it."""
+    names = {s.seat_id: s.name for s in ep.seats}
+    turns = []
+    for t in ep.turns:
+        adv, ret = credit.get((ep.episode_id, t.seat_id, t.turn_index), (None, None))
+        turns.append(
+            {
+                "seat": names[t.seat_id],
+                "index": t.turn_index,
+                "step": t.global_step,
+                "round": t.game_round,
+                "seen": _messages(t.observation),
+                "text": _clip(t.text),
+                "action": None if t.action is None else f"{t.action.tag} {json.dumps(t.action.value)}",
+                "invalid": t.invalid,
+                "error": t.error,
+                "reward": t.reward,
+                "finish": t.finish,
+                "advantage": adv,
+                "return": ret,
+            }
+        )
+    return {
+        "id": ep.episode_id,
+        "iteration": ep.iteration,
+        "env": ep.env,
+        "kernel": ep.kernel.id,
+        "split": ep.kernel.split,
+        "group": ep.group_id,
+        "seats": [
+            {"name": s.name, "role": s.role, "agent": s.agent, "trainable": s.trainable, "seat_id": s.seat_id}
+            for s in ep.seats
+        ],
+        "results": {
+            name: {"points": r.points, "outcome": r.outcome, "turns": r.n_turns, "invalid": r.n_invalid}
+            for name, r in ep.result.roles.items()
+        },
+        "end": ep.result.end_reason,
+        "metrics": ep.metrics,
+        "turns": turns,
+        "final": {names.get(seat, seat): _messages(m) for seat, m in ep.final_observations.items()},
+    }
+
+
+def _iteration_files(root: Path) -> list[Path]:
+    return sorted(root.glob("iter-*.parquet")) if root.is_dir() else []
+
+
+def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
+    """At most ``limit`` items, spread evenly over the groups (every group keeps its share, evenly spaced inside
+    it), in group order; all of them when they fit."""
+    total = sum(len(g) for g in items_per_group)
+    if total <= limit:
+        return [item for group in items_per_group for item in group]
+    picked = []
+    for group in items_per_group:
+        share = max(1, round(limit * len(group) / total)) if group else 0
+        step = len(group) / share if share else 0
+        picked.extend(group[int(i * step)] for i in range(min(share, len(group))))
+    return picked[:limit]
+
+
+def _evaluations(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out evaluations of the metrics lines: one row per evaluated iteration (``final/*`` one later)."""
+    rows = []
+    for line in _with_final(lines):
+        values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        if values:
+            rows.append({"iteration": line["iteration"], **values})
+    columns = sorted({k for row in rows for k in row if k != "iteration" and "_se" not in k}, key=_eval_order)
+    return {"columns": columns, "rows": rows}
+
+
+def _eval_order(key: str) -> tuple[int, str]:
+    for rank, prefix in enumerate(("outcome", "discounted_return", "invalid_rate", "team/", "judge", "env/")):
+        if key.startswith(prefix):
+            return rank, key
+    return 9, key
+
+
+def _crossplay(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted([*run_dir.glob("crossplay-*.json"), *(run_dir / "report").glob("crossplay-*.json")]):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RepertoryError(f"{path}: not a readable cross-play result ({exc})") from None
+        out.append({"file": path.name, **data})
+    return out
+
+
+def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[dict[str, Any], list[str]]:
+    """Everything the page shows, and one warning per file that could not be read (the rest still shows)."""
+    run_dir = Path(run_dir)
+    warnings: list[str] = []
+    lines = read_metrics(run_dir)
+    figures = []
+    for filename, (title, prefixes) in FIGURES.items():
+        series = _series(_with_final(lines), prefixes)
+        if series:
+            points = {key: [[x, y] for x, y in zip(xs, ys)] for key, (xs, ys) in series.items()}
+            figures.append({"id": filename.removesuffix(".png"), "title": title, "series": points})
+    credit: Credit = {}
+    for path in _iteration_files(run_dir / "credit"):
+        try:
+            credit.update(read_credit(path))
+        except StoreError as exc:
+            warnings.append(str(exc))
+    per_iteration: list[list[Episode]] = []
+    for path in _iteration_files(run_dir / "episodes"):
+        try:
+            per_iteration.append(read_episodes(path))
+        except StoreError as exc:
+            warnings.append(str(exc))
+    total = sum(len(g) for g in per_iteration)
+    episodes = [episode_record(ep, credit) for ep in sample_evenly(per_iteration, max_episodes)]
+    config_path = run_dir / "config.yaml"
+    data = {
+        "run": run_dir.resolve().name,
+        "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": config_path.read_text() if config_path.is_file() else "",
+        "figures": figures,
+        "evaluations": _evaluations(lines),
+        "crossplay": _crossplay(run_dir),
+        "episodes": episodes,
+        "episodes_total": total,
+        "credited_turns": len(credit),
+        "warnings": warnings,
+    }
+    return data, warnings
+
+
+def _asset(name: str) -> str:
+    return resources.files("repertory.report").joinpath(name).read_text()
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None (JSON has no such numbers; the page shows them as gaps)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def render_page(data: dict[str, Any]) -> str:
+    """The page's HTML: the viewer's style and script inline, the data as a JSON script element."""
+    # "<" escaped as \u003c keeps any "</script>" inside transcripts from ending the data element.
+    payload = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
+    return (
+        _asset("viewer.html")
+        .replace("{{TITLE}}", html.escape(f"repertory · {data['run']}"))
+        .replace("{{STYLE}}", _asset("viewer.css"))
+        .replace("{{DATA}}", payload)
+        .replace("{{SCRIPT}}", _asset("viewer.js"))
+    )
+
+
+def write_page(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[Path, list[str]]:
+    """Write ``RUN/report/index.html`` atomically; returns its path and the warnings of unreadable files."""
+    if max_episodes < 0:
+        raise RepertoryError(f"max_episodes must be at least 0 (got {max_episodes})")
+    run_dir = Path(run_dir)
+    data, warnings = page_data(run_dir, max_episodes)
+    text = render_page(data)
+    while len(text.encode()) > MAX_BYTES and data["episodes"]:
+        data["episodes"] = data["episodes"][::2]
+        text = render_page(data)
+    path = run_dir / "report" / "index.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path, warnings

@@ -1,0 +1,208 @@
+"""``report/index.html``: what the page holds, its size bound, and the page itself in a real browser (Chromium)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from repertory.report import page
+from repertory.report.page import episode_record, page_data, render_page, sample_evenly, write_page
+from repertory.store import read_credit, write_credit, write_episodes
+from tests.conftest import play, run_cli
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def _make_run(root: Path) -> Path:
+    """A run directory with metrics, two iterations of episodes (Werewolf, then IPD with an invalid move) and the
+    credit of two turns."""
+    run = root / "run"
+    (run / "episodes").mkdir(parents=True)
+    (run / "config.yaml").write_text("rollout:\n  env: werewolf\nseed: 0\n")
+    lines = [
+        {"iteration": 0, "outcome": 0.4, "loss/policy": 0.2, "eval/outcome": 0.3, "eval/outcome_se": 0.05},
+        {"iteration": 1, "outcome": 0.5, "loss/policy": float("nan"), "eval/outcome": 0.35, "eval/outcome_se": 0.04},
+        {"iteration": 2, "outcome": 0.6, "loss/policy": 0.1, "final/outcome": 0.45, "final/outcome_se": 0.03},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    wolves = [dataclasses.replace(ep, iteration=0) for ep in play("werewolf", ["heuristic"] * 6, episodes=3)]
+    script = root / "moves.txt"
+    script.write_text("I will not choose </script><b>bold</b>\n<choose>A</choose>\n")
+    ipd = [
+        dataclasses.replace(ep, iteration=1)
+        for ep in play("ipd", [f"script:{script}", "tit-for-tat"], episodes=2, seed=3)
+    ]
+    write_episodes(run / "episodes" / "iter-000000.parquet", wolves)
+    write_episodes(run / "episodes" / "iter-000001.parquet", ipd)
+    first, second = ipd[0].trajectory("p0")[:2]
+    write_credit(
+        run / "credit" / "iter-000001.parquet",
+        [
+            {"episode_id": ipd[0].episode_id, "seat_id": "p0", "turn_index": first.turn_index, "advantage": -0.75,
+             "return": 0.25},
+            {"episode_id": ipd[0].episode_id, "seat_id": "p0", "turn_index": second.turn_index, "advantage": 1.5,
+             "return": None},
+        ],
+    )  # fmt: skip
+    crossplay = {"env": "ipd", "agents": ["a", "b"], "M": {"a": {"a": 0.5, "b": 0.2}, "b": {"a": 0.8, "b": 0.5}}}
+    (run / "crossplay-ipd.json").write_text(json.dumps(crossplay))
+    return run
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return _make_run(tmp_path)
+
+
+def test_each_seat_sees_exactly_its_messages_with_channels(run_dir):
+    data, warnings = page_data(run_dir)
+    assert warnings == [] and data["episodes_total"] == 5 and len(data["episodes"]) == 5
+    wolf_game = data["episodes"][0]
+    seats = {s["name"]: s["role"] for s in wolf_game["seats"]}
+    seen = {name: {m["channel"] for t in wolf_game["turns"] if t["seat"] == name for m in t["seen"]} for name in seats}
+    for name, role in seats.items():
+        assert ("team" in seen[name]) == (role == "werewolf"), (name, role)
+        assert "public" in seen[name]
+    from repertory.store import read_episodes
+
+    [original, *_] = read_episodes(run_dir / "episodes" / "iter-000000.parquet")
+    assert [[m["content"] for m in t["seen"]] for t in wolf_game["turns"]] == [
+        [m.content for m in t.observation] for t in original.turns
+    ]
+
+
+def test_invalid_moves_keep_the_referees_reason_and_credit_lands_on_its_turns(run_dir):
+    data, _ = page_data(run_dir)
+    game = next(ep for ep in data["episodes"] if ep["env"] == "ipd")
+    alice = [t for t in game["turns"] if t["seat"] == "Alice"]
+    assert alice[0]["invalid"] and alice[0]["text"].startswith("I will not choose </script>")
+    assert alice[0]["error"] and "choose" in alice[0]["error"]
+    assert not alice[1]["invalid"] and alice[1]["action"] == 'choose "A"'
+    assert (alice[0]["advantage"], alice[0]["return"]) == (-0.75, 0.25)
+    assert (alice[1]["advantage"], alice[1]["return"]) == (1.5, None)
+    assert all(t["advantage"] is None for t in alice[2:]) and data["credited_turns"] == 2
+
+
+def test_evaluations_and_curves_come_from_the_metrics_lines(run_dir):
+    data, _ = page_data(run_dir)
+    rows = data["evaluations"]["rows"]
+    assert [(r["iteration"], r["outcome"], r["outcome_se"]) for r in rows] == [(0, 0.3, 0.05), (1, 0.35, 0.04),
+                                                                             (3, 0.45, 0.03)]  # fmt: skip
+    outcome = next(f for f in data["figures"] if f["id"] == "outcome")
+    assert outcome["series"]["outcome"] == [[0, 0.4], [1, 0.5], [2, 0.6]]
+    assert outcome["series"]["eval/outcome"] == [[0, 0.3], [1, 0.35], [3, 0.45]]
+    assert data["crossplay"][0]["M"]["b"]["a"] == 0.8
+    html = render_page(data)
+    assert "NaN" not in html.split('id="run-data">')[1].split("</script>")[0]  # JSON has no NaN: a gap
+
+
+def test_transcripts_cannot_end_the_data_element(run_dir):
+    path, _ = write_page(run_dir)
+    text = path.read_text()
+    payload = text.split('<script type="application/json" id="run-data">')[1].split("</script>")[0]
+    assert "I will not choose \\u003c/script>\\u003cb>bold\\u003c/b>" in payload
+    assert json.loads(payload)["run"] == "run"
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+
+
+def test_sampling_spreads_evenly_and_the_size_bound_halves_the_sample(run_dir, monkeypatch):
+    assert sample_evenly([list(range(10)), list(range(10, 20))], 4) == [0, 5, 10, 15]
+    assert sample_evenly([[1, 2], [3]], 10) == [1, 2, 3]
+    data, _ = page_data(run_dir, max_episodes=2)
+    assert [ep["iteration"] for ep in data["episodes"]] == [0, 1]
+    full = len(write_page(run_dir)[0].read_bytes())
+    monkeypatch.setattr(page, "MAX_BYTES", full - 1)
+    path, _ = write_page(run_dir)
+    shown = json.loads(path.read_text().split('id="run-data">')[1].split("</script>")[0])["episodes"]
+    assert len(path.read_bytes()) < full and len(shown) == 3  # 5 episodes halved: every other one
+
+
+def test_long_messages_are_cut_in_the_page_only(run_dir):
+    from repertory.store import read_episodes
+
+    [ep, *_] = read_episodes(run_dir / "episodes" / "iter-000001.parquet")
+    long = dataclasses.replace(ep.turns[0], text="x" * (page.MAX_MESSAGE_CHARS + 10))
+    record = episode_record(dataclasses.replace(ep, turns=[long, *ep.turns[1:]]), {})
+    assert record["turns"][0]["text"].endswith("[... 10 more characters in the episode file]")
+
+
+def test_unreadable_files_are_named_and_the_rest_still_shows(run_dir, capsys):
+    (run_dir / "episodes" / "iter-000002.parquet").write_bytes(b"not parquet")
+    (run_dir / "credit" / "iter-000000.parquet").write_bytes(b"torn")
+    code, out, err = run_cli(capsys, "report", str(run_dir))
+    assert code == 0 and out.strip().splitlines()[-1] == str(run_dir / "report" / "index.html")
+    assert "iter-000002.parquet: not a readable Parquet file" in err and "iter-000000.parquet: not a readable" in err
+    data = json.loads((run_dir / "report" / "index.html").read_text().split('id="run-data">')[1].split("</script>")[0])
+    assert len(data["episodes"]) == 5 and len(data["warnings"]) == 2
+    assert read_credit(run_dir / "credit" / "iter-000001.parquet")  # untouched
+
+
+def test_report_rejects_a_negative_episode_count(run_dir, capsys):
+    code, _, err = run_cli(capsys, "report", str(run_dir), "--max-episodes", "-1")
+    assert code == 2 and err == "error: Invalid value for '--max-episodes': Input should be greater than or equal to 0\n"
+
+
+def test_the_page_renders_filters_and_shows_a_seats_view_in_chromium(run_dir, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM.is_file(), "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+    path, _ = write_page(run_dir)
+    data, _ = page_data(run_dir)
+    wolf_means = [
+        sum(ep["results"][s["name"]]["outcome"] for s in ep["seats"] if s["role"] == "werewolf") / 2
+        for ep in data["episodes"]
+        if ep["env"] == "werewolf"
+    ]
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+            tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            tab.goto(path.as_uri())
+            assert tab.locator(".chart").count() == 2  # outcome and losses: the figures with data
+            rows = tab.locator("#episode-table tbody tr")
+            assert rows.count() == 5
+            tab.select_option("#f-iteration", "1")
+            assert rows.count() == 2 and tab.inner_text("#episode-count").startswith("2 of 5 episodes")
+            tab.check("#f-invalid")
+            assert rows.count() == 2  # both IPD games open with the scripted invalid move
+            tab.click("#f-reset")
+            tab.wait_for_function("document.querySelectorAll('#episode-table tbody tr').length === 5")
+            tab.select_option("#f-role", "werewolf")
+            assert rows.count() == 3
+            tab.fill("#f-min", "0.5")  # the werewolves' mean outcome (discounted by when they were eliminated)
+            assert rows.count() == sum(mean >= 0.5 for mean in wolf_means) == 2
+            tab.fill("#f-min", "")
+            tab.fill("#f-max", "0.1")
+            assert rows.count() == sum(mean <= 0.1 for mean in wolf_means) == 1
+            tab.click("#f-reset")
+            tab.wait_for_function("document.querySelectorAll('#episode-table tbody tr').length === 5")
+            rows.nth(0).click()
+            wolf = tab.locator("#detail-panel tbody tr", has_text="werewolf").first.locator("td").first.inner_text()
+            tab.click(f"#detail-panel .tabs button:has-text('{wolf} sees')")
+            assert tab.locator("#detail-panel .transcript .badge.team").count() > 0
+            tab.select_option("#f-iteration", "1")
+            rows.nth(0).click()
+            assert tab.locator("#detail-panel .badge.bad").count() >= 1
+            assert tab.locator("#detail-panel .badge.credit", has_text="advantage -0.750").count() == 1
+            assert "</script><b>bold</b>" in tab.inner_text("#detail-panel")  # shown as text, never as markup
+            assert tab.locator("#detail-panel b").count() == 0
+            assert tab.locator("#eval-tables table").count() == 2  # held-out and the cross-play matrix
+            tab.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
