@@ -309,6 +309,17 @@ class JudgeConfig(_Section):
     )
 
 
+class WandbConfig(_Section):
+    """Weights & Biases, when ``tracking`` lists wandb."""
+
+    project: str = Field("repertory", description="The W&B project.")
+    entity: str | None = Field(None, description="The W&B entity (user or team); default: the account's.")
+    mode: Literal["offline", "online", "disabled"] | None = Field(
+        None, description="offline (files under RUN/wandb, `wandb sync` later), online or disabled; default: "
+        "WANDB_MODE, else offline.",
+    )
+
+
 class TrainConfig(_Section):
     """Everything a training run needs. Every field has a default; a recipe overrides some."""
 
@@ -331,6 +342,12 @@ class TrainConfig(_Section):
     )
     rounds: RoundsConfig = Field(default_factory=RoundsConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    tracking: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where every metrics line, the config and the report go: jsonl (RUN/metrics.jsonl, always), "
+        "tensorboard (RUN/tensorboard), wandb (see the wandb section).",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     @model_validator(mode="after")
     def _judge_when_needed(self) -> TrainConfig:

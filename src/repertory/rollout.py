@@ -87,8 +87,10 @@ class _Running:
             out.append((self.spec.agents[seat], request))
         return out
 
-    def step(self, answers: dict[str, tuple[Request, Response]]) -> None:
+    def step(self, answers: dict[str, tuple[Request, Response]]) -> list[Turn]:
+        """Apply the tick's answers; returns the turns they made, in seat order of the answers."""
         game_round = self.env.game_round
+        made = []
         texts = {role: response.text for role, (_, response) in answers.items()}
         result = self.env.step(texts)
         for role, (request, response) in answers.items():
@@ -112,6 +114,7 @@ class _Running:
                 reward=self.unattached.pop(role, 0.0),
             )
             self.turns.append(turn)
+            made.append(turn)
             self.last_turn[role] = turn
             self.chats[role].append(Message("assistant", response.text))
         for role, reward in result.rewards.items():
@@ -122,6 +125,7 @@ class _Running:
                 # no trajectory, and its score lives in the result alone.
                 self.unattached[role] = self.unattached.get(role, 0.0) + reward
         self.tick += 1
+        return made
 
     def episode(self) -> Episode:
         env, spec = self.env, self.spec
@@ -159,9 +163,12 @@ def run_episodes(
     max_concurrent: int = 256,
     on_episode: Callable[[Episode], None] | None = None,
     judge: Judge | None = None,
+    on_turn: Callable[[EpisodeSpec, Turn], None] | None = None,
 ) -> list[Episode]:
     """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order. With a ``judge``,
-    the episodes that finish in a tick are scored in one call before they are returned."""
+    the episodes that finish in a tick are scored in one call before they are returned. ``on_turn`` sees each
+    turn as soon as the referee has applied it (its reward may still grow: later rewards land on a seat's last
+    turn); ``on_episode`` each finished episode."""
     if max_concurrent < 1:
         raise RepertoryError("max_concurrent must be at least 1")
     pending: Iterator[tuple[int, EpisodeSpec]] = enumerate(specs)
@@ -186,7 +193,9 @@ def run_episodes(
         _guard(running, by_agent, answers)
         for index in list(running):
             if answers[index]:
-                running[index].step(answers[index])
+                for turn in running[index].step(answers[index]):
+                    if on_turn is not None:
+                        on_turn(running[index].spec, turn)
         done = [i for i in running if running[i].env.done]
         if judge is not None:
             _judge([running[i] for i in done], judge)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
 from repertory.generation import Backend, SamplingParams, make_backend
+from repertory.generation.core import ENOUGH_EVERY
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.types import derive
@@ -54,6 +55,8 @@ class LMAgent:
         self.constrained = constrained
         self.seed = seed
         self.policy_id = policy_id
+        self.watch: Callable[[Request, str, int], None] | None = None
+        """Sees each row's text and token count as they grow (every ``ENOUGH_EVERY`` tokens; live play)."""
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The seat's chat rendered with the model's chat template, ready for the assistant turn."""
@@ -70,6 +73,8 @@ class LMAgent:
         ]
         keys = [(self.name, r.episode_id, r.seat) for r in requests]
         enough = [_visible_text_exceeds(r.max_chars) if r.max_chars is not None else None for r in requests]
+        if self.watch is not None:
+            enough = [_watched(self.watch, r, stop) for r, stop in zip(requests, enough)]
         adapters = None if self.adapter == LIVE_ADAPTER else [self.adapter] * len(requests)
         generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
         return [
@@ -89,3 +94,19 @@ def _visible_text_exceeds(limit: int) -> Callable[[str], bool]:
     """True once the text the environment reads (thinking removed) is past ``limit``: the
     environment cuts everything after it, so sampling more is wasted."""
     return lambda text: len(clean(text, limit + 1)) > limit
+
+
+def _watched(
+    watch: Callable[[Request, str, int], None], request: Request, stop: Callable[[str], bool] | None
+) -> Callable[[str], bool]:
+    """A row's ``enough`` check that first shows the text so far to ``watch``; backends call it every
+    ``ENOUGH_EVERY`` tokens, which gives the token count."""
+    calls = 0
+
+    def check(text: str) -> bool:
+        nonlocal calls
+        calls += 1
+        watch(request, text, calls * ENOUGH_EVERY)
+        return stop is not None and stop(text)
+
+    return check

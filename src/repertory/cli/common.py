@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from repertory.agents import Agent, LMOptions
@@ -17,6 +20,21 @@ if TYPE_CHECKING:
 out = Console(highlight=False, soft_wrap=True)
 err = Console(highlight=False, soft_wrap=True, stderr=True)
 SEAT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
+
+
+@contextmanager
+def games_progress(label: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of games done, elapsed time and ETA on standard error, drawn only on a terminal (so pipes,
+    logs and ``--json`` output stay clean); yields the ``on_progress(done, total)`` callback to hand down."""
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("games ·"), TimeElapsedColumn())
+    progress = Progress(*columns, TextColumn("· ETA"), TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+    task = progress.add_task(label, total=None)
+
+    def update(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    with progress:
+        yield update
 
 
 def check_run_options(split: str, seed: int, episodes: int) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.table import Table
 
-from repertory.cli.common import check_run_options, judged_table, out, team_table
+from repertory.cli.common import check_run_options, games_progress, judged_table, out, team_table
 from repertory.envs import env_class
 from repertory.types import RepertoryError
 
@@ -140,8 +140,10 @@ def _eval_crossplay(
         raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     line_up = (names, cls.name, seed, model, max_new_tokens, constrained)
     agents = lineup_agents(*line_up)
-    with _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool:
-        report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, workers=pool))
+    with _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool, games_progress(
+        f"cross-play {cls.name}"
+    ) as on_progress:
+        report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, on_progress, workers=pool))
     data = report.to_json()
     if as_json:
         print(json.dumps(data))
@@ -302,9 +304,20 @@ def eval_command(
     line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
     agent, opponent, env_name = evaluation_lineup(*line_up)
     options, scorer = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
-    with _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool:
+    with _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool, games_progress(
+        f"eval {env_name}"
+    ) as on_progress:
         result = evaluate(
-            env_name, agent, episodes, seed, split, opponent, workers=pool, env_options=options, judge=scorer
+            env_name,
+            agent,
+            episodes,
+            seed,
+            split,
+            opponent,
+            workers=pool,
+            env_options=options,
+            judge=scorer,
+            on_progress=on_progress,
         )
     if as_json:
         print(json.dumps(result.to_json()))

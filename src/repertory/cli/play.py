@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from repertory.agents import agent_names
-from repertory.cli.common import MODEL_HELP, SEAT_STYLES, agents_for, check_run_options, lm_options, out, team_table
+from repertory.agents import HumanAgent, Request, agent_names
+from repertory.cli.common import (
+    MODEL_HELP,
+    SEAT_STYLES,
+    agents_for,
+    check_run_options,
+    games_progress,
+    lm_options,
+    out,
+    team_table,
+)
 from repertory.envs import env_class, env_names
-from repertory.rollout import guarded_seats, run_episodes, schedule
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
 from repertory.store import EpisodeStore
-from repertory.types import Episode, Message, RepertoryError
+from repertory.types import Episode, Message, RepertoryError, Turn
 
 if TYPE_CHECKING:
     from repertory.eval.crossplay import CrossPlay
@@ -61,30 +74,108 @@ def _seen(name: str, message: Message, style: str) -> Text:
     return text
 
 
-def _print_transcript(ep: Episode, full: bool) -> None:
-    styles = {s.seat_id: SEAT_STYLES[i % len(SEAT_STYLES)] for i, s in enumerate(ep.seats)}
+def _turn_lines(name: str, style: str, turn: Turn, full: bool) -> list[Text]:
+    """What a seat saw before a turn (system prompts only with ``full``) and what it wrote."""
+    lines = []
+    for m in turn.observation:
+        if m.role == "system" and not full:
+            lines.append(
+                Text(f"  [{name} sees the rules and private information; --full shows them]", style=f"dim {style}")
+            )
+        else:
+            lines.append(_seen(name, m, style))
+    line = Text(f"{name} ▸ ", style=f"bold {style}") + Text(turn.text)
+    if turn.invalid:
+        line += Text(f"  ✗ {turn.error}", style="red")
+    lines.append(line)
+    return lines
+
+
+def _header(episode_id: str, kernel_id: str, names: tuple[str, ...], agents: list[str]) -> Text:
+    lineup = ", ".join(f"{name}={agent}" for name, agent in zip(names, agents))
+    return Text(f"━━ {episode_id} · kernel {kernel_id} · {lineup}", style="bold")
+
+
+def _end_lines(ep: Episode, styles: dict[str, str]) -> list[Text]:
     names = {s.seat_id: s.name for s in ep.seats}
-    lineup = ", ".join(f"{s.name}={s.agent}" for s in ep.seats)
-    out.print()
-    out.print(Text(f"━━ {ep.episode_id} · kernel {ep.kernel.id} · {lineup}", style="bold"))
-    for turn in ep.turns:
-        style, name = styles[turn.seat_id], names[turn.seat_id]
-        for m in turn.observation:
-            if m.role == "system" and not full:
-                out.print(
-                    Text(f"  [{name} sees the rules and private information; --full shows them]", style=f"dim {style}")
-                )
-            else:
-                out.print(_seen(name, m, style))
-        line = Text(f"{name} ▸ ", style=f"bold {style}") + Text(turn.text)
-        if turn.invalid:
-            line += Text(f"  ✗ {turn.error}", style="red")
-        out.print(line)
-    for seat_id, messages in ep.final_observations.items():
-        for m in messages:
-            out.print(_seen(names[seat_id], m, styles[seat_id]))
+    lines = [_seen(names[seat], m, styles[seat]) for seat, messages in ep.final_observations.items() for m in messages]
     result = "  ".join(f"{n}: {r.points:g} points, outcome {r.outcome:.4f}" for n, r in ep.result.roles.items())
-    out.print(Text(f"end: {ep.result.end_reason} · {result}", style="bold"))
+    lines.append(Text(f"end: {ep.result.end_reason} · {result}", style="bold"))
+    return lines
+
+
+def _seat_styles(n_seats: int) -> dict[str, str]:
+    return {f"p{i}": SEAT_STYLES[i % len(SEAT_STYLES)] for i in range(n_seats)}
+
+
+class LiveTranscript:
+    """Transcripts printed turn by turn as the referee applies them; on a terminal, a live area below shows each
+    seat's text growing as it is sampled, and a progress line (episode, turn, tokens/s, elapsed)."""
+
+    def __init__(self, console: Console, full: bool, episodes: int, live: bool):
+        self.console = console
+        self.full = full
+        self.episodes = episodes
+        self.started = time.perf_counter()
+        self.turns = 0
+        self.tokens = 0
+        self.done = 0
+        self.current = ""
+        self.growing: dict[tuple[str, int], tuple[str, str, str, int]] = {}
+        """(episode, seat) -> (seat name, channel it answers on, text so far, tokens so far)"""
+        self.live = Live(console=console, get_renderable=self.render, refresh_per_second=8, transient=True)
+        self.live_area = live
+
+    def __enter__(self) -> LiveTranscript:
+        if self.live_area:
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live_area:
+            self.live.stop()
+
+    def stream(self, request: Request, text: str, tokens: int) -> None:
+        """A seat's text and token count so far (called every few sampled tokens)."""
+        channel = next((m.channel for m in reversed(request.messages) if m.role == "user"), "")
+        self.growing[(request.episode_id, request.seat)] = (request.role, channel, text, tokens)
+
+    def turn(self, spec: EpisodeSpec, turn: Turn) -> None:
+        """Print a turn the referee has just applied (the episode's header before its first)."""
+        names = env_class(spec.env).seat_names(spec.kernel.data)
+        if spec.episode_id != self.current:
+            self.current = spec.episode_id
+            self.console.print()
+            self.console.print(_header(spec.episode_id, spec.kernel.id, names, [a.name for a in spec.agents]))
+        seat = int(turn.seat_id[1:])
+        self.growing.pop((spec.episode_id, seat), None)
+        for line in _turn_lines(names[seat], SEAT_STYLES[seat % len(SEAT_STYLES)], turn, self.full):
+            self.console.print(line)
+        self.turns += 1
+        self.tokens += len(turn.response_ids)
+
+    def episode(self, ep: Episode) -> None:
+        """Print a finished episode's last messages and result."""
+        for line in _end_lines(ep, _seat_styles(len(ep.seats))):
+            self.console.print(line)
+        self.done += 1
+
+    def render(self) -> Group:
+        """The live area: the text each seat is writing now, then the progress line."""
+        rows = []
+        streamed = 0
+        for (_, seat), (name, channel, text, tokens) in list(self.growing.items()):
+            style = SEAT_STYLES[seat % len(SEAT_STYLES)]
+            where = f" [{channel}]" if channel else ""
+            rows.append(Text(f"{name}{where} ▸ ", style=f"bold {style}") + Text(text + "▌"))
+            streamed += tokens
+        elapsed = time.perf_counter() - self.started
+        rate = (self.tokens + streamed) / elapsed if elapsed > 0 else 0.0
+        progress = (
+            f"episode {min(self.done + 1, self.episodes)}/{self.episodes} · turn {self.turns + 1} · "
+            f"{rate:.1f} tokens/s · {timedelta(seconds=int(elapsed))} elapsed"
+        )
+        return Group(*rows, Text(progress, style="dim"))
 
 
 def _print_summary(episodes: list[Episode]) -> None:
@@ -154,14 +245,21 @@ def play(
     trained = cls.roles.index(cls.default_trained_role)
     for spec in lineup:
         spec.guarded = guarded_seats(cls, spec.agents, [trained]) if guard else []
-    played = run_episodes(lineup)
+    if as_json or quiet:
+        played = run_episodes(lineup)
+    else:
+        # One episode at a time, so that turns print in game order; seeds are per (episode, seat, turn), so the
+        # games are the same as when they are played side by side.
+        human = any(isinstance(agent, HumanAgent) for agent in built.values())
+        with LiveTranscript(out, full, len(lineup), live=out.is_terminal and not human) as live:
+            for agent in built.values():
+                if hasattr(agent, "watch"):  # language-model agents show their text as it is sampled
+                    agent.watch = live.stream
+            played = run_episodes(lineup, max_concurrent=1, on_episode=live.episode, on_turn=live.turn)
     if as_json:
         for ep in played:
             print(json.dumps(ep.summary()))
     else:
-        if not quiet:
-            for ep in played:
-                _print_transcript(ep, full)
         _print_summary(played)
     if store:
         path = store.append(played)
@@ -222,7 +320,8 @@ def tournament(
         specs = [s.strip() for s in agents.split(",")] if agents else list(env_class(name).bots)
         from repertory.eval.crossplay import crossplay
 
-        result = crossplay(name, agents_for(name, specs), episodes, seed, split)
+        with games_progress(f"tournament {name}") as on_progress:
+            result = crossplay(name, agents_for(name, specs), episodes, seed, split, on_progress)
         if as_json:
             print(json.dumps(result.to_json()))
         else:

@@ -277,6 +277,7 @@ def evaluate(
     workers: WorkerPool | None = None,
     env_options: dict[str, Any] | None = None,
     judge: Judge | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
     """Play ``agent`` for ``episodes`` games: in every seat, or against ``opponent``. Facing an
     opponent, the agent sits in the game's trained seat where the game fixes one (negotiations); in a
@@ -287,7 +288,7 @@ def evaluate(
     running seat's chat stays in the generation prefix cache; with ``workers`` (line-up
     :func:`evaluation_agents`) the games are sharded over Ray actors. ``env_options`` are the game's options;
     a ``judge`` scores the finished games (social scenarios), and games it failed on are counted but left out
-    of every mean."""
+    of every mean. ``on_progress(done, total)`` hears of every finished game."""
     if episodes < 1:
         raise RepertoryError(f"the number of evaluation episodes must be at least 1 (got {episodes})")
     cls = env_class(env)
@@ -313,7 +314,8 @@ def evaluate(
     names = {"agent": agent, **({"opponent": opponent} if opponent is not None else {})}
     if judge is not None and workers is not None:
         raise RepertoryError("a judge cannot score games played by Ray workers yet; evaluate without --workers")
-    played = play(specs, workers, names, max_concurrent or concurrent_games(cls), judge=judge)
+    on_episode = counted(on_progress, len(specs))
+    played = play(specs, workers, names, max_concurrent or concurrent_games(cls), on_episode, judge)
     scores = seat_scores(played, lambda i, s: s in seats[i] and not played[i].judge_failed, gamma)
     return Evaluation(
         env=env,
@@ -333,6 +335,21 @@ def evaluate(
         played=played,
         seats=seats,
     )
+
+
+def counted(on_progress: Callable[[int, int], None] | None, total: int) -> Callable[[Episode], None] | None:
+    """An ``on_episode`` callback that reports (games done, ``total``) to ``on_progress``."""
+    if on_progress is None:
+        return None
+    done = 0
+
+    def finished(_: Episode) -> None:
+        nonlocal done
+        done += 1
+        on_progress(done, total)
+
+    on_progress(0, total)
+    return finished
 
 
 def concurrent_games(env: type[Env]) -> int:

@@ -23,6 +23,7 @@ from repertory.eval import (
     PairResult,
     TeamStats,
     concurrent_games,
+    counted,
     discounted,
     mean_metrics,
     summarize,
@@ -172,13 +173,13 @@ def crossplay(
     episodes: int,
     seed: int,
     split: str = "heldout",
-    on_episode: Callable[[Episode], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     max_concurrent: int | None = None,
     workers: WorkerPool | None = None,
 ) -> CrossPlay:
     """Play every ordered pair of ``agents``, the row agent on the first side (seat or team) and the column
     agent on the second, for ``episodes`` games each, at most ``max_concurrent`` games at once so that every
-    running seat's chat stays in the prefix cache."""
+    running seat's chat stays in the prefix cache; ``on_progress(done, total)`` hears of every finished game."""
     cls = env_class(env)
     check_sides(cls)
     pairs = [(a, b) for a in agents for b in agents]
@@ -191,7 +192,7 @@ def crossplay(
             spec.episode_id = f"{spec.episode_id}/{a}-vs-{b}"
             spec.guarded = guarded_seats(cls, spec.agents, [trained])
             specs.append(spec)
-    played = play(specs, workers, agents, max_concurrent or concurrent_games(cls), on_episode)
+    played = play(specs, workers, agents, max_concurrent or concurrent_games(cls), counted(on_progress, len(specs)))
     games = {pair: played[i * episodes : (i + 1) * episodes] for i, pair in enumerate(pairs)}
     cells = {pair: summarize_teams(cls, cell) if cls.teams else summarize(cell) for pair, cell in games.items()}
     return CrossPlay(env, list(agents), cells, played, games)

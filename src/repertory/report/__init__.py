@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
@@ -15,56 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from repertory.config import load_config  # noqa: E402
+from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final  # noqa: E402
 from repertory.stats import format_mean_se, seed_summary  # noqa: E402
 from repertory.types import RepertoryError  # noqa: E402
-
-FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "outcome.png": ("Normalised outcome of the trained seats", ("outcome", "eval/outcome")),
-    "losses.png": ("Losses", ("loss/",)),
-    "kl_entropy.png": ("KL to the reference and entropy (nats per token)", ("kl", "entropy")),
-    "environment.png": ("Environment metrics (rollouts)", ("env/",)),
-    "throughput.png": ("Throughput (tokens/s)", ("throughput/",)),
-}
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metrics lines of a run (a torn last line from a kill is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def _with_final(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The evaluation after the last update (``final/*`` keys) as a point one iteration later."""
-    out = []
-    for line in lines:
-        out.append(line)
-        final = {f"eval/{k[6:]}": v for k, v in line.items() if k.startswith("final/")}
-        if final:
-            out.append({"iteration": line["iteration"] + 1, **final})
-    return out
-
-
-def _series(lines: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, tuple[list[float], list[float]]]:
-    keys = sorted(
-        {
-            k
-            for line in lines
-            for k, v in line.items()
-            if isinstance(v, (int, float)) and "_se" not in k and any(k == p or k.startswith(p) for p in prefixes)
-        }
-    )
-    out = {}
-    for key in keys:
-        xs = [line["iteration"] for line in lines if key in line]
-        ys = [line[key] for line in lines if key in line]
-        out[key] = (xs, ys)
-    return out
 
 
 def write_report(
@@ -76,12 +27,12 @@ def write_report(
     from repertory.report.page import MAX_EPISODES, write_page
 
     run_dir = Path(run_dir)
-    lines = _with_final(read_metrics(run_dir))
+    lines = with_final(read_metrics(run_dir))
     out_dir = run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (title, prefixes) in FIGURES.items():
-        series = _series(lines, prefixes)
+        series = metric_series(lines, prefixes)
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from repertory.report import FIGURES, _series, _with_final, read_metrics
+from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final
 from repertory.store import StoreError, read_credit, read_episodes
 from repertory.types import Episode, RepertoryError
 
@@ -107,7 +107,7 @@ def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
 def _evaluations(lines: list[dict[str, Any]]) -> dict[str, Any]:
     """The held-out evaluations of the metrics lines: one row per evaluated iteration (``final/*`` one later)."""
     rows = []
-    for line in _with_final(lines):
+    for line in with_final(lines):
         values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         if values:
             rows.append({"iteration": line["iteration"], **values})
@@ -140,7 +140,7 @@ def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[di
     lines = read_metrics(run_dir)
     figures = []
     for filename, (title, prefixes) in FIGURES.items():
-        series = _series(_with_final(lines), prefixes)
+        series = metric_series(with_final(lines), prefixes)
         if series:
             points = {key: [[x, y] for x, y in zip(xs, ys)] for key, (xs, ys) in series.items()}
             figures.append({"id": filename.removesuffix(".png"), "title": title, "series": points})

@@ -35,6 +35,7 @@ from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
 from repertory.runs import write_checkpoint
 from repertory.store import write_credit
+from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
@@ -375,29 +376,38 @@ class Trainer:
     # the loop
 
     def fit(self, on_line: Callable[[dict[str, Any]], None] | None = None) -> Path:
-        """Run the remaining iterations; returns the run directory."""
+        """Run the remaining iterations, each metrics line to every tracker; returns the run directory."""
         config = self.config
-        metrics_path = self.run_dir / "metrics.jsonl"
         main = distributed.is_main()  # in data-parallel training, process 0 writes the run directory
-        for iteration in range(self.iteration, config.iterations):
-            judged = self.judge.stats.as_metrics() if self.judge is not None else {}
-            line = self.run_iteration(iteration)
-            if self.judge is not None:  # this iteration's requests, failures, retries, clipped scores, cache hits
-                line.update({k: v - judged[k] for k, v in self.judge.stats.as_metrics().items()})
-            done = iteration + 1
-            if done == config.iterations and config.eval.episodes and main:
-                final = self.evaluate(done)
-                line.update({f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")})
+        trackers = make_trackers(config, self.run_dir, self.iteration) if main else []
+        try:
+            for tracker in trackers:
+                tracker.log_config(config)
+            for iteration in range(self.iteration, config.iterations):
+                judged = self.judge.stats.as_metrics() if self.judge is not None else {}
+                line = self.run_iteration(iteration)
+                if self.judge is not None:  # this iteration's requests, failures, retries, clipped scores, cache hits
+                    line.update({k: v - judged[k] for k, v in self.judge.stats.as_metrics().items()})
+                done = iteration + 1
+                if done == config.iterations and config.eval.episodes and main:
+                    final = self.evaluate(done)
+                    line.update(
+                        {f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")}
+                    )
+                for tracker in trackers:
+                    tracker.log(line)
+                self.iteration = done
+                if (done % config.checkpoint_every == 0 or done == config.iterations) and main:
+                    self.save_checkpoint(done)
+                if on_line is not None:
+                    on_line(line)
+            self.close()
             if main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
-            self.iteration = done
-            if (done % config.checkpoint_every == 0 or done == config.iterations) and main:
-                self.save_checkpoint(done)
-            if on_line is not None:
-                on_line(line)
-        self.close()
-        if main:
-            write_report(self.run_dir)
+                files = write_report(self.run_dir)
+                for tracker in trackers:
+                    tracker.log_report(files)
+        finally:
+            for tracker in trackers:
+                tracker.close()
         distributed.barrier()
         return self.run_dir
