@@ -150,7 +150,8 @@ def test_unreadable_files_are_named_and_the_rest_still_shows(run_dir, capsys):
 
 def test_report_rejects_a_negative_episode_count(run_dir, capsys):
     code, _, err = run_cli(capsys, "report", str(run_dir), "--max-episodes", "-1")
-    assert code == 2 and err == "error: Invalid value for '--max-episodes': Input should be greater than or equal to 0\n"
+    assert code == 2
+    assert err == "error: Invalid value for '--max-episodes': Input should be greater than or equal to 0\n"
 
 
 def test_the_page_renders_filters_and_shows_a_seats_view_in_chromium(run_dir, tmp_path):

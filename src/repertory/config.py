@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from repertory.algos import EstimatorParams
 from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
-from repertory.envs import env_class, env_names, make
+from repertory.envs import env_class, env_names, is_adapter_name, make
 from repertory.types import RepertoryError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -92,7 +92,12 @@ class RolloutConfig(_Section):
     @field_validator("env")
     @classmethod
     def _known_env(cls, env: str) -> str:
-        if env not in env_names():
+        if is_adapter_name(env):
+            try:
+                env_class(env)
+            except RepertoryError as exc:
+                raise ValueError(str(exc)) from None
+        elif env not in env_names():
             raise ValueError(f"unknown environment {env!r}; allowed: {', '.join(env_names())}")
         return env
 

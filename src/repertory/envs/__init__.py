@@ -3,7 +3,9 @@
 ``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is available;
 ``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split. Built-in
 games are imported on first use, so loading one game never imports the others. A new game checks
-itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``.
+itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``. Names with an adapter's
+prefix (``textarena:TicTacToe-v0``) resolve to classes built on demand over another library's games; they
+are not listed by ``env_names()``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ _BUILTIN: dict[str, str] = {
     "werewolf": "werewolf:Werewolf",
     "social": "social:Social",
 }
+_ADAPTERS: dict[str, str] = {"textarena:": "textarena:textarena_env"}
+"""Name prefix -> ``module:factory`` that builds the environment class of a prefixed name."""
 _REGISTRY: dict[str, type[Env]] = {}
 
 
@@ -51,11 +55,20 @@ def env_names() -> list[str]:
     return list(dict.fromkeys([*_BUILTIN, *_REGISTRY]))
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` names another library's game through an adapter prefix (``textarena:...``)."""
+    return name.startswith(tuple(_ADAPTERS))
+
+
 def env_class(name: str) -> type[Env]:
-    """The class registered as ``name``; unknown names list the known ones."""
+    """The class registered as ``name`` (or built by the adapter of its prefix); unknown names list the known ones."""
     if name not in _REGISTRY and name in _BUILTIN:
         module, attr = _BUILTIN[name].split(":")
         register_env(getattr(import_module(f"{__name__}.{module}"), attr))
+    for prefix, target in _ADAPTERS.items():
+        if name not in _REGISTRY and name.startswith(prefix):
+            module, attr = target.split(":")
+            return getattr(import_module(f"{__name__}.{module}"), attr)(name)
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -95,6 +108,7 @@ __all__ = [
     "env_class",
     "env_names",
     "generate_kernels",
+    "is_adapter_name",
     "load_kernels",
     "make",
     "register_env",
