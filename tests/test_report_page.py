@@ -41,7 +41,7 @@ def _make_run(root: Path) -> Path:
     script.write_text("I will not choose </script><b>bold</b>\n<choose>A</choose>\n")
     ipd = [
         dataclasses.replace(ep, iteration=1)
-        for ep in play("ipd", [f"script:{script}", "tit-for-tat"], episodes=2, seed=3)
+        for ep in play("ipd", [f"script:{script}", "tit-for-tat"], episodes=2, seed=3, split="heldout")
     ]
     write_episodes(run / "episodes" / "iter-000000.parquet", wolves)
     write_episodes(run / "episodes" / "iter-000001.parquet", ipd)
@@ -116,7 +116,7 @@ def test_transcripts_cannot_end_the_data_element(run_dir):
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
 
 
-def test_sampling_spreads_evenly_and_the_size_bound_halves_the_sample(run_dir, monkeypatch):
+def test_sampling_spreads_evenly_and_the_size_bound_thins_the_sample(run_dir, monkeypatch):
     assert sample_evenly([list(range(10)), list(range(10, 20))], 4) == [0, 5, 10, 15]
     assert sample_evenly([[1, 2], [3]], 10) == [1, 2, 3]
     data, _ = page_data(run_dir, max_episodes=2)
@@ -125,7 +125,8 @@ def test_sampling_spreads_evenly_and_the_size_bound_halves_the_sample(run_dir, m
     monkeypatch.setattr(page, "MAX_BYTES", full - 1)
     path, _ = write_page(run_dir)
     shown = json.loads(path.read_text().split('id="run-data">')[1].split("</script>")[0])["episodes"]
-    assert len(path.read_bytes()) < full and len(shown) == 3  # 5 episodes halved: every other one
+    # 5 episodes in one byte too many: keep int(5 x (full - 1) / full x 0.95) = 4, evenly spaced
+    assert len(path.read_bytes()) < full and len(shown) == 4
 
 
 def test_long_messages_are_cut_in_the_page_only(run_dir):
@@ -182,6 +183,13 @@ def test_the_page_renders_filters_and_shows_a_seats_view_in_chromium(run_dir, tm
             assert rows.count() == 2  # both IPD games open with the scripted invalid move
             tab.click("#f-reset")
             tab.wait_for_function("document.querySelectorAll('#episode-table tbody tr').length === 5")
+            tab.select_option("#f-split", "heldout")
+            assert rows.count() == 2
+            tab.select_option("#f-split", "")
+            kernel = data["episodes"][0]["kernel"]
+            tab.fill("#f-kernel", kernel)
+            assert rows.count() == sum(ep["kernel"] == kernel for ep in data["episodes"]) == 1
+            tab.fill("#f-kernel", "")
             tab.select_option("#f-role", "werewolf")
             assert rows.count() == 3
             tab.fill("#f-min", "0.5")  # the werewolves' mean outcome (discounted by when they were eliminated)

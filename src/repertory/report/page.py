@@ -24,7 +24,7 @@ from repertory.types import Episode, RepertoryError
 MAX_EPISODES = 300
 """Episodes the browser shows by default; a run with more is sampled evenly across its iterations."""
 MAX_BYTES = 20 * 1024 * 1024
-"""The page's size bound: the episode sample is halved until the file fits."""
+"""The page's size bound: a page that would pass it keeps the share of its episode sample that fits."""
 MAX_MESSAGE_CHARS = 6000
 """A longer message is cut in the page (the episode files keep it whole), marked with how much was cut."""
 
@@ -209,9 +209,14 @@ def write_page(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[P
     run_dir = Path(run_dir)
     data, warnings = page_data(run_dir, max_episodes)
     text = render_page(data)
-    while len(text.encode()) > MAX_BYTES and data["episodes"]:
-        data["episodes"] = data["episodes"][::2]
+    size = len(text.encode())
+    while size > MAX_BYTES and data["episodes"]:
+        # Episodes make up nearly all of a large page: keep the share that fits, with a margin, evenly spaced.
+        shown = data["episodes"]
+        keep = min(len(shown) - 1, int(len(shown) * MAX_BYTES / size * 0.95))
+        data["episodes"] = sample_evenly([shown], keep)
         text = render_page(data)
+        size = len(text.encode())
     path = run_dir / "report" / "index.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".html.tmp")

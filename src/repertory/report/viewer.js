@@ -121,7 +121,8 @@ function renderEvaluations() {
         return el("td", {class: "num", text});
       })));
     box.append(el("h3", {text: "Held-out evaluations (iteration k: the policy before its update; the last row: after the last)"}),
-      el("table", {class: "grid", id: "heldout-table"}, el("thead", {}, head), el("tbody", {}, ...body)));
+      el("div", {class: "scroll"}, el("table", {class: "grid", id: "heldout-table"}, el("thead", {}, head),
+        el("tbody", {}, ...body))));
   }
   for (const result of DATA.crossplay) {
     box.append(...matrixTable(`Cross-play ${result.env} (${result.file}): M, mean normalised outcome of row vs column`,
