@@ -31,9 +31,12 @@ def _make_run(root: Path) -> Path:
     (run / "episodes").mkdir(parents=True)
     (run / "config.yaml").write_text("rollout:\n  env: werewolf\nseed: 0\n")
     lines = [
-        {"iteration": 0, "outcome": 0.4, "loss/policy": 0.2, "eval/outcome": 0.3, "eval/outcome_se": 0.05},
-        {"iteration": 1, "outcome": 0.5, "loss/policy": float("nan"), "eval/outcome": 0.35, "eval/outcome_se": 0.04},
-        {"iteration": 2, "outcome": 0.6, "loss/policy": 0.1, "final/outcome": 0.45, "final/outcome_se": 0.03},
+        # kl is never finite: its figure has no data and is left out; loss/policy has a gap at iteration 1
+        {"iteration": 0, "outcome": 0.4, "loss/policy": 0.2, "eval/outcome": 0.3, "eval/outcome_se": 0.05, "kl": None},
+        {"iteration": 1, "outcome": 0.5, "loss/policy": float("nan"), "eval/outcome": 0.35, "eval/outcome_se": 0.04,
+         "kl": float("inf"), "eval/fine/mutual_benefit_seeking": 6.5},
+        {"iteration": 2, "outcome": 0.6, "loss/policy": 0.1, "final/outcome": 0.45, "final/outcome_se": 0.03,
+         "kl": float("nan")},
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     wolves = [dataclasses.replace(ep, iteration=0) for ep in play("werewolf", ["heuristic"] * 6, episodes=3)]
@@ -91,7 +94,8 @@ def test_invalid_moves_keep_the_referees_reason_and_credit_lands_on_its_turns(ru
     assert not alice[1]["invalid"] and alice[1]["action"] == 'choose "A"'
     assert (alice[0]["advantage"], alice[0]["return"]) == (-0.75, 0.25)
     assert (alice[1]["advantage"], alice[1]["return"]) == (1.5, None)
-    assert all(t["advantage"] is None for t in alice[2:]) and data["credited_turns"] == 2
+    assert all(t["advantage"] is None for t in alice[2:])
+    assert sum(t["advantage"] is not None for ep in data["episodes"] for t in ep["turns"]) == 2
 
 
 def test_evaluations_and_curves_come_from_the_metrics_lines(run_dir):
@@ -99,6 +103,10 @@ def test_evaluations_and_curves_come_from_the_metrics_lines(run_dir):
     rows = data["evaluations"]["rows"]
     assert [(r["iteration"], r["outcome"], r["outcome_se"]) for r in rows] == [(0, 0.3, 0.05), (1, 0.35, 0.04),
                                                                              (3, 0.45, 0.03)]  # fmt: skip
+    assert [f["id"] for f in data["figures"]] == ["outcome", "losses"]
+    assert next(f for f in data["figures"] if f["id"] == "losses")["series"]["loss/policy"] == [[0, 0.2], [2, 0.1]]
+    assert "fine/mutual_benefit_seeking" in data["evaluations"]["columns"]  # "_se" inside a word is no error bar
+    assert "outcome_se" not in data["evaluations"]["columns"]
     outcome = next(f for f in data["figures"] if f["id"] == "outcome")
     assert outcome["series"]["outcome"] == [[0, 0.4], [1, 0.5], [2, 0.6]]
     assert outcome["series"]["eval/outcome"] == [[0, 0.3], [1, 0.35], [3, 0.45]]
@@ -107,18 +115,24 @@ def test_evaluations_and_curves_come_from_the_metrics_lines(run_dir):
     assert "NaN" not in html.split('id="run-data">')[1].split("</script>")[0]  # JSON has no NaN: a gap
 
 
-def test_transcripts_cannot_end_the_data_element(run_dir):
+def test_transcripts_cannot_end_the_data_element_or_fill_the_template(run_dir):
+    (run_dir / "config.yaml").write_text("seed: 0  # {{SCRIPT}} {{DATA}}\n")
     path, _ = write_page(run_dir)
     text = path.read_text()
     payload = text.split('<script type="application/json" id="run-data">')[1].split("</script>")[0]
     assert "I will not choose \\u003c/script>\\u003cb>bold\\u003c/b>" in payload
     assert json.loads(payload)["run"] == "run"
+    assert json.loads(payload)["config"] == "seed: 0  # {{SCRIPT}} {{DATA}}\n"
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
 
 
 def test_sampling_spreads_evenly_and_the_size_bound_thins_the_sample(run_dir, monkeypatch):
-    assert sample_evenly([list(range(10)), list(range(10, 20))], 4) == [0, 5, 10, 15]
+    # the middle of each of `limit` equal stretches of the episodes in iteration order
+    assert sample_evenly([list(range(10)), list(range(10, 20))], 4) == [2, 7, 12, 17]
     assert sample_evenly([[1, 2], [3]], 10) == [1, 2, 3]
+    many = [[(i, 0), (i, 1)] for i in range(400)]  # more iterations than the limit: still spread to the last
+    picked = sample_evenly(many, 300)
+    assert len(picked) == 300 and picked[0][0] == 0 and picked[-1][0] == 399
     data, _ = page_data(run_dir, max_episodes=2)
     assert [ep["iteration"] for ep in data["episodes"]] == [0, 1]
     full = len(write_page(run_dir)[0].read_bytes())
@@ -127,6 +141,7 @@ def test_sampling_spreads_evenly_and_the_size_bound_thins_the_sample(run_dir, mo
     shown = json.loads(path.read_text().split('id="run-data">')[1].split("</script>")[0])["episodes"]
     # 5 episodes in one byte too many: keep int(5 x (full - 1) / full x 0.95) = 4, evenly spaced
     assert len(path.read_bytes()) < full and len(shown) == 4
+    assert [ep["iteration"] for ep in shown] == [0, 0, 1, 1]
 
 
 def test_long_messages_are_cut_in_the_page_only(run_dir):
@@ -140,12 +155,16 @@ def test_long_messages_are_cut_in_the_page_only(run_dir):
 
 def test_unreadable_files_are_named_and_the_rest_still_shows(run_dir, capsys):
     (run_dir / "episodes" / "iter-000002.parquet").write_bytes(b"not parquet")
-    (run_dir / "credit" / "iter-000000.parquet").write_bytes(b"torn")
+    (run_dir / "credit" / "iter-000000.parquet").write_bytes(b"torn [bold]")
+    (run_dir / "crossplay-torn.json").write_text('{"env": "ipd", "agents": ["a"')
+    (run_dir / "crossplay-other.json").write_text('{"env": "ipd"}')
     code, out, err = run_cli(capsys, "report", str(run_dir))
     assert code == 0 and out.strip().splitlines()[-1] == str(run_dir / "report" / "index.html")
     assert "iter-000002.parquet: not a readable Parquet file" in err and "iter-000000.parquet: not a readable" in err
+    assert "crossplay-torn.json: not a readable cross-play result" in err
+    assert "crossplay-other.json: not a cross-play result (no agents and M matrix)" in err
     data = json.loads((run_dir / "report" / "index.html").read_text().split('id="run-data">')[1].split("</script>")[0])
-    assert len(data["episodes"]) == 5 and len(data["warnings"]) == 2
+    assert len(data["episodes"]) == 5 and len(data["warnings"]) == 4 and len(data["crossplay"]) == 1
     assert read_credit(run_dir / "credit" / "iter-000001.parquet")  # untouched
 
 

@@ -124,8 +124,10 @@ def test_a_resumed_run_continues_one_tensorboard_history(tmp_path, tokenizer):
     resumed = resume_run(trainer.run_dir, loaded=tiny_model(tokenizer, seed=1))
     assert resumed.iteration == 2
     resumed.fit()
-    steps = [e.step for e in _scalars(trainer.run_dir).Scalars("outcome")]
-    assert steps == [0, 1, 2]
+    events = _scalars(trainer.run_dir)
+    assert [e.step for e in events.Scalars("outcome")] == [0, 1, 2]
+    assert len(events.Tensors("config/text_summary")) == 1  # logged by the first session only
+    assert [e.step for e in events.Images("report/outcome")] == [3]  # once, after the last iteration
     assert [e.value for e in _scalars(trainer.run_dir).Scalars("outcome")] == pytest.approx(
         [line["outcome"] for line in _lines(trainer.run_dir)]
     )

@@ -4,7 +4,8 @@
 ``tensorboard`` writes event files under ``RUN/tensorboard`` with TensorBoard's ``SummaryWriter``; ``wandb``
 logs to Weights & Biases, offline under ``RUN/wandb`` unless ``wandb.mode`` (or ``WANDB_MODE``) says otherwise.
 A resumed run continues the same TensorBoard history (steps from the resumed iteration on are purged first)
-and the same W&B run (its id is kept in ``RUN/wandb-run-id``).
+and logs to the same W&B run id (kept in ``RUN/wandb-run-id``): online, W&B continues that run; offline, each
+session is its own directory under ``RUN/wandb`` (W&B cannot resume offline runs).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from typing import Any, Protocol
 
 from repertory.config import TrainConfig, dump_config
 from repertory.types import RepertoryError
-
-TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 
 class Tracker(Protocol):
@@ -65,9 +64,10 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """Scalars per metric at step = iteration, the config as text, the figures as images and the page's path."""
+    """Scalars per metric at step = iteration, the config as text (once, at step 0), the figures as images and
+    the page's path at step = the number of iterations (so a resumed run's purge replaces them)."""
 
-    def __init__(self, run_dir: Path, start: int):
+    def __init__(self, run_dir: Path, start: int, iterations: int):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -75,8 +75,12 @@ class TensorBoardTracker:
                 "tracking: tensorboard needs the tensorboard package: pip install 'repertory[tensorboard]'"
             ) from None
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start if start else None)
+        self.start = start
+        self.iterations = iterations
 
     def log_config(self, config: TrainConfig) -> None:
+        if self.start:  # a resumed run: the first session logged it, and step 0 is not purged
+            return
         text = "    " + dump_config(config).replace("\n", "\n    ")  # indented: TensorBoard renders Markdown
         self.writer.add_text("config", text, 0)
 
@@ -93,9 +97,9 @@ class TensorBoardTracker:
             if path.suffix == ".png":
                 with Image.open(path) as image:
                     pixels = np.asarray(image.convert("RGB"))
-                self.writer.add_image(f"report/{path.stem}", pixels, 0, dataformats="HWC")
+                self.writer.add_image(f"report/{path.stem}", pixels, self.iterations, dataformats="HWC")
             else:
-                self.writer.add_text(f"report/{path.name}", str(path.resolve()), 0)
+                self.writer.add_text(f"report/{path.name}", str(path.resolve()), self.iterations)
         self.writer.flush()
 
     def close(self) -> None:
@@ -148,13 +152,19 @@ class WandbTracker:
 
 
 def make_trackers(config: TrainConfig, run_dir: Path, start: int) -> list[Tracker]:
-    """The run's trackers, JSONL first; ``start`` is the first iteration this process runs (resume)."""
+    """The run's trackers, JSONL first; ``start`` is the first iteration this process runs (resume). If one
+    cannot start, those already made are closed before the error propagates."""
     factories: dict[str, Callable[[], Tracker]] = {
-        "tensorboard": lambda: TensorBoardTracker(run_dir, start),
+        "tensorboard": lambda: TensorBoardTracker(run_dir, start, config.iterations),
         "wandb": lambda: WandbTracker(run_dir, config),
     }
     trackers: list[Tracker] = [JsonlTracker(run_dir)]
-    for name in dict.fromkeys(config.tracking):
-        if name != "jsonl":
-            trackers.append(factories[name]())
+    try:
+        for name in dict.fromkeys(config.tracking):
+            if name != "jsonl":
+                trackers.append(factories[name]())
+    except BaseException:
+        for tracker in trackers:
+            tracker.close()
+        raise
     return trackers

@@ -122,7 +122,7 @@ class LiveTranscript:
         self.done = 0
         self.current = ""
         self.growing: dict[tuple[str, int], tuple[str, str, str, int]] = {}
-        """(episode, seat) -> (seat name, channel it answers on, text so far, tokens so far)"""
+        """(episode, seat) -> (seat name, channel of the message it answers, text so far, tokens so far)"""
         self.live = Live(console=console, get_renderable=self.render, refresh_per_second=8, transient=True)
         self.live_area = live
 

@@ -31,7 +31,7 @@ def report(
         for run in runs:
             if not (run / "config.yaml").is_file():
                 raise RepertoryError(f"{run} is not a run directory (no config.yaml)")
-            for path in write_report(run, max_episodes, lambda warning: err.print(f"warning: {warning}")):
+            for path in write_report(run, max_episodes, lambda warning: err.print(f"warning: {warning}", markup=False)):
                 out.print(str(path))
         return
     result = results_table(runs, checkpoint)

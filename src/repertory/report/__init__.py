@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,10 @@ def write_report(
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, (xs, ys) in series.items():
             se_key = key.replace("eval/outcome", "eval/outcome_se", 1) if key.startswith("eval/outcome") else None
-            errors = [line.get(se_key, 0.0) for line in lines if key in line] if se_key else None
+            errors = None
+            if se_key:
+                se = {line["iteration"]: line.get(se_key) for line in lines if key in line}
+                errors = [se[x] if isinstance(se[x], (int, float)) and math.isfinite(se[x]) else 0.0 for x in xs]
             marker = "o" if len(xs) < 30 else None
             if errors and any(errors):
                 ax.errorbar(xs, ys, yerr=errors, label=key, marker=marker, capsize=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +39,30 @@ def with_final(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def metric_series(lines: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dict[str, tuple[list[float], list[float]]]:
-    """(iterations, values) of every numeric key equal to or under one of ``prefixes`` (standard errors aside)."""
+def is_standard_error(key: str) -> bool:
+    """Whether a metric is the standard error of another (``eval/outcome_se``, ``eval/outcome_se/Alice``)."""
+    return any(part.endswith("_se") for part in key.split("/"))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def metric_series(
+    lines: list[dict[str, Any]], prefixes: tuple[str, ...]
+) -> dict[str, tuple[list[float], list[float]]]:
+    """(iterations, values) of every key equal to or under one of ``prefixes`` (standard errors aside), from the
+    lines where it is a finite number (elsewhere a gap)."""
     keys = sorted(
         {
             k
             for line in lines
             for k, v in line.items()
-            if isinstance(v, (int, float)) and "_se" not in k and any(k == p or k.startswith(p) for p in prefixes)
+            if _number(v) and not is_standard_error(k) and any(k == p or k.startswith(p) for p in prefixes)
         }
     )
     out = {}
     for key in keys:
-        xs = [line["iteration"] for line in lines if key in line]
-        ys = [line[key] for line in lines if key in line]
-        out[key] = (xs, ys)
+        points = [(line["iteration"], line[key]) for line in lines if _number(line.get(key))]
+        out[key] = ([x for x, _ in points], [y for _, y in points])
     return out

@@ -12,12 +12,13 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final
+from repertory.report.metrics import FIGURES, is_standard_error, metric_series, read_metrics, with_final
 from repertory.store import StoreError, read_credit, read_episodes
 from repertory.types import Episode, RepertoryError
 
@@ -27,6 +28,8 @@ MAX_BYTES = 20 * 1024 * 1024
 """The page's size bound: a page that would pass it keeps the share of its episode sample that fits."""
 MAX_MESSAGE_CHARS = 6000
 """A longer message is cut in the page (the episode files keep it whole), marked with how much was cut."""
+
+_PLACEHOLDER = re.compile(r"\{\{(TITLE|STYLE|DATA|SCRIPT)\}\}")
 
 Credit = dict[tuple[str, str, int], tuple[float, float | None]]
 
@@ -70,7 +73,6 @@ def episode_record(ep: Episode, credit: Credit) -> dict[str, Any]:
         "env": ep.env,
         "kernel": ep.kernel.id,
         "split": ep.kernel.split,
-        "group": ep.group_id,
         "seats": [
             {"name": s.name, "role": s.role, "agent": s.agent, "trainable": s.trainable, "seat_id": s.seat_id}
             for s in ep.seats
@@ -91,17 +93,13 @@ def _iteration_files(root: Path) -> list[Path]:
 
 
 def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
-    """At most ``limit`` items, spread evenly over the groups (every group keeps its share, evenly spaced inside
-    it), in group order; all of them when they fit."""
-    total = sum(len(g) for g in items_per_group)
-    if total <= limit:
-        return [item for group in items_per_group for item in group]
-    picked = []
-    for group in items_per_group:
-        share = max(1, round(limit * len(group) / total)) if group else 0
-        step = len(group) / share if share else 0
-        picked.extend(group[int(i * step)] for i in range(min(share, len(group))))
-    return picked[:limit]
+    """``limit`` items (all of them when they fit) at evenly spaced positions of the groups laid end to end, in
+    order: the middle of each of ``limit`` equal stretches, so every group keeps its share and the last ones
+    count as much as the first."""
+    flat = [item for group in items_per_group for item in group]
+    if len(flat) <= limit:
+        return flat
+    return [flat[(2 * i + 1) * len(flat) // (2 * limit)] for i in range(limit)]
 
 
 def _evaluations(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,7 +109,7 @@ def _evaluations(lines: list[dict[str, Any]]) -> dict[str, Any]:
         values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         if values:
             rows.append({"iteration": line["iteration"], **values})
-    columns = sorted({k for row in rows for k in row if k != "iteration" and "_se" not in k}, key=_eval_order)
+    columns = sorted({k for row in rows for k in row if k != "iteration" and not is_standard_error(k)}, key=_eval_order)
     return {"columns": columns, "rows": rows}
 
 
@@ -122,13 +120,20 @@ def _eval_order(key: str) -> tuple[int, str]:
     return 9, key
 
 
-def _crossplay(run_dir: Path) -> list[dict[str, Any]]:
+def _crossplay(run_dir: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    """The cross-play results saved in the run; a file that is not one becomes a warning."""
     out = []
     for path in sorted([*run_dir.glob("crossplay-*.json"), *(run_dir / "report").glob("crossplay-*.json")]):
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise RepertoryError(f"{path}: not a readable cross-play result ({exc})") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            warnings.append(f"{path}: not a readable cross-play result ({exc})")
+            continue
+        agents = data.get("agents") if isinstance(data, dict) else None
+        matrix = data.get("M") if isinstance(data, dict) else None
+        if not (isinstance(agents, list) and isinstance(matrix, dict) and all(a in matrix for a in agents)):
+            warnings.append(f"{path}: not a cross-play result (no agents and M matrix)")
+            continue
         out.append({"file": path.name, **data})
     return out
 
@@ -158,6 +163,7 @@ def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[di
             warnings.append(str(exc))
     total = sum(len(g) for g in per_iteration)
     episodes = [episode_record(ep, credit) for ep in sample_evenly(per_iteration, max_episodes)]
+    crossplay = _crossplay(run_dir, warnings)
     config_path = run_dir / "config.yaml"
     data = {
         "run": run_dir.resolve().name,
@@ -165,10 +171,9 @@ def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[di
         "config": config_path.read_text() if config_path.is_file() else "",
         "figures": figures,
         "evaluations": _evaluations(lines),
-        "crossplay": _crossplay(run_dir),
+        "crossplay": crossplay,
         "episodes": episodes,
         "episodes_total": total,
-        "credited_turns": len(credit),
         "warnings": warnings,
     }
     return data, warnings
@@ -193,13 +198,14 @@ def render_page(data: dict[str, Any]) -> str:
     """The page's HTML: the viewer's style and script inline, the data as a JSON script element."""
     # "<" escaped as \u003c keeps any "</script>" inside transcripts from ending the data element.
     payload = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
-    return (
-        _asset("viewer.html")
-        .replace("{{TITLE}}", html.escape(f"repertory · {data['run']}"))
-        .replace("{{STYLE}}", _asset("viewer.css"))
-        .replace("{{DATA}}", payload)
-        .replace("{{SCRIPT}}", _asset("viewer.js"))
-    )
+    values = {
+        "TITLE": html.escape(f"repertory · {data['run']}"),
+        "STYLE": _asset("viewer.css"),
+        "DATA": payload,
+        "SCRIPT": _asset("viewer.js"),
+    }
+    # One pass over the template: text inside the values (a transcript quoting "{{SCRIPT}}") is never replaced.
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _asset("viewer.html"))
 
 
 def write_page(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[Path, list[str]]:

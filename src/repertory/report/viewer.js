@@ -42,12 +42,19 @@ function ticks(lo, hi, n) {
   return Array.from({length: n}, (_, i) => lo + i * step);
 }
 
+// Bounds by a loop: spreading a long series into Math.min would overflow the call stack.
+function bounds(values) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of values) { if (v < lo) lo = v; if (v > hi) hi = v; }
+  return [lo, hi];
+}
+
 function drawChart(figure) {
   const width = 460, height = 220, left = 48, right = 10, top = 8, bottom = 24;
-  const all = Object.values(figure.series).flat().filter(p => p[1] !== null);
-  const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs);
-  let y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const all = Object.values(figure.series).flat().filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]));
+  if (!all.length) return null;
+  const [x0, x1] = bounds(all.map(p => p[0]));
+  let [y0, y1] = bounds(all.map(p => p[1]));
   if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
   const sx = x => left + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (width - left - right);
   const sy = y => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
@@ -66,7 +73,7 @@ function drawChart(figure) {
   const legend = el("div", {class: "legend"});
   Object.entries(figure.series).forEach(([key, points], i) => {
     const colour = COLOURS[i % COLOURS.length];
-    const shown = points.filter(p => p[1] !== null);
+    const shown = points.filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]));
     chart.append(svg("polyline", {points: shown.map(p => `${sx(p[0])},${sy(p[1])}`).join(" "), fill: "none",
       stroke: colour, "stroke-width": 1.6}));
     if (shown.length < 40) {
@@ -85,8 +92,9 @@ function drawChart(figure) {
 
 function renderCurves() {
   const box = document.getElementById("charts");
-  if (!DATA.figures.length) box.append(el("p", {class: "muted", text: "No metrics lines yet."}));
-  for (const figure of DATA.figures) box.append(drawChart(figure));
+  const charts = DATA.figures.map(drawChart).filter(chart => chart !== null);
+  if (!charts.length) box.append(el("p", {class: "muted", text: "No metrics lines yet."}));
+  box.append(...charts);
 }
 
 // Evaluations
@@ -160,10 +168,14 @@ function seatsOf(episode, role) {
   return trained.length ? trained : episode.seats;
 }
 
+function result(episode, seat) {
+  return episode.results[seat.name] || {};
+}
+
 function scoredOutcome(episode, role) {
-  const seats = seatsOf(episode, role);
-  if (!seats.length) return null;
-  return seats.reduce((sum, s) => sum + episode.results[s.name].outcome, 0) / seats.length;
+  const outcomes = seatsOf(episode, role).map(s => result(episode, s).outcome).filter(Number.isFinite);
+  if (!outcomes.length) return null;
+  return outcomes.reduce((sum, o) => sum + o, 0) / outcomes.length;
 }
 
 function visibleEpisodes() {
@@ -188,8 +200,9 @@ function renderEpisodes() {
   state.page = Math.min(state.page, pages - 1);
   const sampled = DATA.episodes.length < DATA.episodes_total
     ? ` (a sample of ${DATA.episodes.length} of the run's ${DATA.episodes_total}, evenly across iterations)` : "";
+  const credited = shown.reduce((n, ep) => n + ep.turns.filter(t => t.advantage !== null).length, 0);
   document.getElementById("episode-count").textContent =
-    `${shown.length} of ${DATA.episodes.length} episodes${sampled}; ${DATA.credited_turns} trained turns carry the estimator's credit.`;
+    `${shown.length} of ${DATA.episodes.length} episodes${sampled}; ${credited} of their turns carry the estimator's credit.`;
   const body = document.querySelector("#episode-table tbody");
   body.replaceChildren(...shown.slice(state.page * PAGE_SIZE, (state.page + 1) * PAGE_SIZE).map(ep => {
     const row = el("tr", {"data-episode": ep.id, class: ep.id === state.selected ? "selected" : "",
@@ -197,7 +210,7 @@ function renderEpisodes() {
       el("td", {class: "num", text: String(ep.iteration)}), el("td", {text: ep.id}), el("td", {text: ep.kernel}),
       el("td", {text: ep.split}),
       el("td", {text: ep.seats.map(s => `${s.name} (${s.role}) = ${s.agent}${s.trainable ? " *" : ""}`).join(", ")}),
-      el("td", {text: ep.seats.map(s => `${s.name} ${num(ep.results[s.name].outcome, 2)}`).join(", ")}),
+      el("td", {text: ep.seats.map(s => `${s.name} ${num(result(ep, s).outcome, 2)}`).join(", ")}),
       el("td", {text: ep.end}));
     return row;
   }));
@@ -266,11 +279,11 @@ function renderDetail(ep) {
   const results = el("table", {class: "grid"},
     el("thead", {}, el("tr", {}, ...["seat", "role", "agent", "trained", "points", "outcome", "turns", "invalid"].map(h => el("th", {text: h})))),
     el("tbody", {}, ...ep.seats.map(s => {
-      const r = ep.results[s.name];
+      const r = result(ep, s);
       return el("tr", {}, el("td", {text: s.name}), el("td", {text: s.role}), el("td", {text: s.agent}),
         el("td", {text: s.trainable ? "yes" : "no"}), el("td", {class: "num", text: num(r.points)}),
-        el("td", {class: "num", text: num(r.outcome)}), el("td", {class: "num", text: String(r.turns)}),
-        el("td", {class: "num", text: String(r.invalid)}));
+        el("td", {class: "num", text: num(r.outcome)}), el("td", {class: "num", text: num(r.turns)}),
+        el("td", {class: "num", text: num(r.invalid)}));
     })));
   const metrics = Object.entries(ep.metrics).map(([k, v]) => `${k} ${num(v)}`).join(" · ");
   const views = [...ep.seats.map(s => [s.name, () => seatTranscript(ep, s)]), ["All turns", () => timeline(ep)]];
