@@ -324,6 +324,12 @@ def test_bad_input_is_a_clear_error():
         env.step(None)
     with pytest.raises(RepertoryError, match="kernel index"):
         env.reset(options={"kernel": -1})
+    env.reset(seed=0)
+    for _ in env.agent_iter():
+        _, _, termination, truncation, _ = env.last()
+        env.step(None if termination or truncation else "<choose>A</choose>")
+    with pytest.raises(RepertoryError, match="the episode is over and every seat has left; reset"):
+        env.step(None)
 
 
 def test_without_pettingzoo_the_module_says_what_to_install(monkeypatch):

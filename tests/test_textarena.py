@@ -325,3 +325,55 @@ def test_a_missing_textarena_says_how_to_install_it(monkeypatch):
         textarena()
     with pytest.raises(RepertoryError, match=r"repertory\[textarena\]"):
         env_class("textarena:NotBuiltYet-v0")
+
+
+# review fixes: one-player outcomes, free-for-all end reasons, isolation
+
+
+def test_one_player_puzzles_score_their_progress():
+    episodes = play("textarena:ThreeCardMonte-v0", ["first-option"], episodes=6)
+    rewards = [ep.result.info["textarena_rewards"]["Player 0"] for ep in episodes]
+    assert set(rewards) <= {0.0, 1.0} and 0.0 in rewards  # some guesses fail
+    assert [ep.result.roles["Player 0"].outcome for ep in episodes] == rewards  # a failed guess is 0, not a draw
+
+
+def test_a_free_for_all_game_that_goes_on_after_an_elimination_ends_as_game_over():
+    env = _start("textarena:ThreePlayerGOPS-v0")
+    eliminated = []
+    while not env.done:
+        (role,) = env.acting_roles()
+        if role == "Player 0":
+            eliminated.append(env.step({role: "nonsense"}))
+        else:
+            env.step({role: env.bots["first-option"](env.view(role))})
+    assert eliminated and env.end_reason == "game_over"  # Player 0 was out long before the end
+
+
+def test_importing_textarena_leaves_the_global_random_state_alone(monkeypatch):
+    for name in [m for m in sys.modules if m == "textarena" or m.startswith(("textarena.", "rich"))]:
+        monkeypatch.delitem(sys.modules, name)
+    random.seed(11)
+    state = random.getstate()
+    textarena()
+    assert random.getstate() == state
+
+
+def test_other_threads_still_print_while_textarena_runs(capsys):
+    import threading
+    import time
+
+    from repertory.envs.textarena import _call, _Randomness
+
+    printed = threading.Event()
+
+    def speak():
+        time.sleep(0.05)
+        print("from another thread")
+        printed.set()
+
+    thread = threading.Thread(target=speak)
+    thread.start()
+    _call(_Randomness(0), lambda: (print("from textarena"), printed.wait(2)))
+    thread.join()
+    out = capsys.readouterr().out
+    assert "from another thread" in out and "from textarena" not in out

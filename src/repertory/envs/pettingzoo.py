@@ -171,6 +171,8 @@ class RepertoryAECEnv(AECEnv):
         the phase has answered."""
         if self.game.kernel is None:
             raise RepertoryError("reset() the environment before step()")
+        if not self.agents:
+            raise RepertoryError("the episode is over and every seat has left; reset() to play another")
         agent = self.agent_selection
         if self.terminations[agent] or self.truncations[agent]:
             self._was_dead_step(action)

@@ -10,13 +10,14 @@ becomes that seat's user messages, ``[GAME] ...`` or ``[Player 1] ...`` as TextA
 them, on channel "" when sent to every player and "private" when sent to that player alone (a seat's own
 moves are its assistant messages, so their echo is dropped). A move TextArena refuses is an invalid action
 whose error is TextArena's reason; TextArena's own rules apply (in two-player games a second invalid move in a
-row loses). The final rewards in [-1, 1] (win 1, draw 0, loss -1) become outcomes ``(reward + 1) / 2``, all
-paid at the last step.
+row loses). Final rewards become outcomes in [0, 1], all paid at the last step: ``(reward + 1) / 2`` in games of
+several players (win 1, draw 0, loss -1), the progress in [0, 1] in one-player puzzles.
 
 TextArena keeps its randomness in the global ``random`` (and some games in ``numpy.random``) and reports
 observations and invalid moves only through its state objects. Every call into TextArena therefore runs
 under one lock with the game's own random states swapped in and those state methods recorded, so episodes
-run side by side in the rollout engine stay independent and replay exactly. Games that download NLTK data at
+run side by side in the rollout engine stay independent and replay exactly (as long as no other thread draws
+from the global generators meanwhile: the lock serialises TextArena, not the process). Games that download NLTK data at
 run time are refused with a clear error: repertory never downloads during play.
 
 Needs the optional extra: ``pip install 'repertory[textarena]'``.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
-import io
 import random
 import re
 import sys
@@ -62,10 +62,13 @@ _NLTK_DIRS = ("corpora", "taggers", "tokenizers", "chunkers", "models", "misc", 
 
 def textarena() -> ModuleType:
     """The ``textarena`` package, imported on first use; a RepertoryError says how to install it."""
+    state = random.getstate()  # importing TextArena (rich, at import time) draws from the global generator
     try:
         import textarena as ta
     except ImportError as exc:
         raise RepertoryError(f"TextArena games need the textarena package ({exc}); install it with {INSTALL}") from None
+    finally:
+        random.setstate(state)
     return ta
 
 
@@ -107,6 +110,21 @@ def _nltk_installed(package: str) -> bool:
         except LookupError:
             continue
     return False
+
+
+class _Muted:
+    """Standard output that drops what the thread holding the TextArena lock writes (the games' debugging
+    prints) and passes every other thread's writes through."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.owner = threading.get_ident()
+
+    def write(self, text: str) -> int:
+        return len(text) if threading.get_ident() == self.owner else self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 @contextmanager
@@ -153,7 +171,7 @@ def _recorded(record: _Record) -> Iterator[None]:
     if nltk is not None:
         nltk.download = download
     try:
-        with redirect_stdout(io.StringIO()):
+        with redirect_stdout(_Muted(sys.stdout)):
             yield
     finally:
         for cls, name, original in methods:
@@ -234,7 +252,7 @@ def _open(env_id: str, num_players: int, seed: int) -> tuple[Any, _Randomness, _
             raise _unavailable(env_id, exc, record) from None
         try:
             game.reset(num_players=num_players, seed=seed)
-        except (LookupError, ImportError, OSError) as exc:
+        except (LookupError, ImportError, OSError) as exc:  # NLTK's missing data is a LookupError
             raise _unavailable(env_id, exc, record) from None
     if record.missing:
         raise _unavailable(env_id, None, record)
@@ -244,7 +262,7 @@ def _open(env_id: str, num_players: int, seed: int) -> tuple[Any, _Randomness, _
 def _unavailable(env_id: str, exc: Exception | None, record: _Record) -> RepertoryError:
     """Why a game cannot run here, in words."""
     spec = f"{PREFIX}{env_id}"
-    if record.missing or isinstance(exc, LookupError):
+    if record.missing or type(exc) is LookupError:
         missing = " ".join(record.missing) or "PACKAGE"
         return RepertoryError(
             f"{spec} does not run offline: it needs NLTK data that is not installed ({missing}), which TextArena "
@@ -430,7 +448,10 @@ class TextArenaGame(Env):
         events = [f"{role}'s move was refused: {r}" for p, r in record.invalid if p == seat]
         events += [text for to, sender, text, _ in record.messages if to == -1 and sender == GAME_ID]
         if self._game.state.done:
-            return self._finish(parsed, events, "invalid_move" if self._ended_by_invalid() else "game_over")
+            # Ended by an invalid move only if this step's own move was refused: in free-for-all games an
+            # earlier refusal eliminates a player and the game goes on.
+            ended_by_invalid = any(p == seat for p, _ in record.invalid)
+            return self._finish(parsed, events, "invalid_move" if ended_by_invalid else "game_over")
         if self._steps >= MAX_STEPS:
             return self._finish(parsed, events, "step_limit")
         return StepResult(parsed, {}, events)
@@ -438,10 +459,6 @@ class TextArenaGame(Env):
     def _refuse(self, reason: str) -> None:
         self._game.state.set_invalid_move(reason=reason)
         self._game.state.step()
-
-    def _ended_by_invalid(self) -> bool:
-        info = getattr(self._game.state, "game_info", {}) or {}
-        return any(isinstance(v, dict) and v.get("invalid_move") for v in info.values())
 
     def _finish(self, parsed: dict[str, Parsed], events: list[str], end_reason: str) -> StepResult:
         """End the episode: TextArena's rewards (none at the step limit: a draw) become points and outcomes."""
@@ -466,10 +483,14 @@ class TextArenaGame(Env):
         return StepResult(parsed, rewards, [*events, f"game over: {self._reason}"])
 
     def outcome(self, role: str) -> float:
-        """TextArena's final reward in [-1, 1] mapped to [0, 1]: win 1, draw 0.5, loss 0."""
+        """TextArena's final reward mapped to [0, 1]. Games of several players pay -1, 0, 1 (loss, draw, win), so
+        the outcome is ``(reward + 1) / 2``; one-player puzzles pay their progress in [0, 1] (solved 1, failed 0)
+        and -1 for losing on invalid moves, so the outcome is the progress, 0 for that loss."""
         if not self._over:
             return 0.0
-        return min(1.0, max(0.0, (self._rewards.get(role, 0.0) + 1.0) / 2.0))
+        reward = self._rewards.get(role, 0.0)
+        scaled = reward if self.num_players == 1 else (reward + 1.0) / 2.0
+        return min(1.0, max(0.0, scaled))
 
     def result(self) -> Result:
         """The episode's result; ``info["reason"]`` is TextArena's account of how the game ended."""
