@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from repertory.agents import Agent, Request, Response, is_model
 from repertory.envs import Env, env_class, load_kernels, make
-from repertory.types import Episode, JudgeRequest, Kernel, Message, RepertoryError, Seat, Turn, Verdict, derive
+from repertory.types import Episode, Judge, Kernel, Message, RepertoryError, Seat, Turn, derive
 
 
 @dataclass
@@ -147,15 +147,6 @@ class _Running:
             group_id=spec.group_id,
             iteration=spec.iteration,
         )
-
-
-class Judge(Protocol):
-    """Scores finished episodes (:mod:`repertory.judges`): one verdict per request, None where it failed."""
-
-    name: str
-    fine_grained: bool
-
-    def score(self, requests: list[JudgeRequest]) -> list[Verdict | None]: ...
 
 
 def run_episodes(

@@ -11,6 +11,11 @@ import math
 from repertory.types import RepertoryError
 
 
+def finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool, NaN or an infinity): a point a metric can plot."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def mean(xs: list[float]) -> float:
     """The mean, with an exactly rounded sum so that group statistics do not depend on the batch's order."""
     return math.fsum(xs) / len(xs)

@@ -11,7 +11,6 @@ session is its own directory under ``RUN/wandb`` (W&B cannot resume offline runs
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from repertory.config import TrainConfig, dump_config
+from repertory.stats import finite_number
 from repertory.types import RepertoryError
 
 
@@ -36,11 +36,7 @@ class Tracker(Protocol):
 
 def numeric(line: dict[str, Any]) -> dict[str, float]:
     """The finite numeric metrics of a line (the iteration aside)."""
-    return {
-        k: float(v)
-        for k, v in line.items()
-        if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
+    return {k: float(v) for k, v in line.items() if k != "iteration" and finite_number(v)}
 
 
 class JsonlTracker:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 ChatRole = Literal["system", "user", "assistant"]
 Split = Literal["train", "heldout"]
@@ -42,6 +42,12 @@ class Message:
     role: ChatRole
     content: str
     channel: str = ""
+
+
+def message_dicts(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as ``{role, content, channel}`` dicts: the rows of the store's message columns, the chats of the
+    report page and of the PettingZoo wrapper."""
+    return [{"role": m.role, "content": m.content, "channel": m.channel} for m in messages]
 
 
 def chat_dicts(messages: list[Message]) -> list[dict[str, str]]:
@@ -134,6 +140,15 @@ class JudgeRequest:
 
 Verdict = dict[str, dict[str, float]]
 """A judge's scores: agent key -> dimension name -> score within the dimension's range."""
+
+
+class Judge(Protocol):
+    """Scores finished episodes (:mod:`repertory.judges`): one verdict per request, None where it failed."""
+
+    name: str
+    fine_grained: bool
+
+    def score(self, requests: list[JudgeRequest]) -> list[Verdict | None]: ...
 
 
 @dataclass

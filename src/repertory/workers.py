@@ -32,8 +32,8 @@ from repertory.envs import env_class
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import load_adapter
-from repertory.rollout import EpisodeSpec, Judge, run_episodes
-from repertory.types import Episode, RepertoryError
+from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.types import Episode, Judge, RepertoryError
 
 LIVE = "live"  # the spec of the trainer's live policy inside a worker
 

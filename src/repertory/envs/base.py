@@ -195,11 +195,7 @@ class Env(ABC):
 
     def tell(self, role: str, text: str, channel: str = "") -> None:
         """Queue a user message for ``role``; consecutive notices on one channel are joined into one message."""
-        inbox = self._inbox[role]
-        if inbox and inbox[-1].role == "user" and inbox[-1].channel == channel:
-            inbox[-1] = Message("user", inbox[-1].content + "\n" + text, channel)
-        else:
-            inbox.append(Message("user", text, channel))
+        append_joined(self._inbox[role], Message("user", text, channel))
 
     def validate(self, role: str, text: str) -> tuple[bool, str]:
         """Would ``text`` be a legal action for ``role`` now? Pure; never advances the state."""
@@ -245,6 +241,16 @@ class Env(ABC):
             "seat": self.seat_index(role),
             "round": self.game_round,
         }
+
+
+def append_joined(chat: list[Message], message: Message) -> None:
+    """Append ``message`` to ``chat``, joined onto the last message when both are notices (user messages) on one
+    channel: what a seat reads as one message, however often its inbox is drained."""
+    last = chat[-1] if chat else None
+    if message.role == "user" and last is not None and last.role == "user" and last.channel == message.channel:
+        chat[-1] = Message("user", last.content + "\n" + message.content, message.channel)
+    else:
+        chat.append(message)
 
 
 def other(roles: tuple[str, ...], role: str) -> str:

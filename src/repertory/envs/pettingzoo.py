@@ -15,11 +15,12 @@ import random
 import re
 import string
 from functools import cache
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from repertory.envs import Env, load_kernels, make
+from repertory.envs.base import append_joined
 from repertory.envs.parsing import DEFAULT_MAX_CHARS
-from repertory.types import JudgeRequest, Kernel, Message, RepertoryError, Verdict, derive
+from repertory.types import Judge, Kernel, Message, RepertoryError, derive, message_dicts
 
 try:
     import gymnasium
@@ -41,14 +42,6 @@ REPLACEMENT = "\ufffd"
 """Stands in an observation for a character outside the Basic Multilingual Plane (the Text charset)."""
 
 _OUTSIDE_CHARSET = re.compile("[\ud800-\udfff\U00010000-\U0010ffff]")
-
-
-class Judge(Protocol):
-    """Scores finished episodes: :mod:`repertory.judges`' ChatJudge and LocalJudge, or any object like them."""
-
-    fine_grained: bool
-
-    def score(self, requests: list[JudgeRequest]) -> list[Verdict | None]: ...
 
 
 class Observation(str):
@@ -116,7 +109,7 @@ class RepertoryAECEnv(AECEnv):
         self.agents = []
         self._seeds = random.Random()
         self._action_spaces: dict[str, gymnasium.spaces.Text] = {}
-        self._chats: dict[str, list[dict[str, str]]] = {}
+        self._chats: dict[str, list[Message]] = {}
         self._queue: list[str] = []
         self._pending: dict[str, str] = {}
         self._log: list[str] = []
@@ -163,7 +156,7 @@ class RepertoryAECEnv(AECEnv):
 
     def observe(self, agent: str) -> Observation:
         """The seat's transcript so far (:func:`transcript`)."""
-        text = _OUTSIDE_CHARSET.sub(REPLACEMENT, transcript(self._chats[agent]))
+        text = _OUTSIDE_CHARSET.sub(REPLACEMENT, transcript(message_dicts(self._chats[agent])))
         return Observation(text[-OBSERVATION_MAX_CHARS:])
 
     def step(self, action: str | None) -> None:
@@ -184,7 +177,7 @@ class RepertoryAECEnv(AECEnv):
         self._queue.remove(agent)
         text = str(action)  # numpy's str_ and other subclasses become a plain str
         self._pending[agent] = text
-        self._chats[agent].append({"role": "assistant", "content": text, "channel": ""})
+        self._chats[agent].append(Message("assistant", text))
         if self._queue:
             self.agent_selection = self._queue[0]
         else:
@@ -236,15 +229,10 @@ class RepertoryAECEnv(AECEnv):
     def _pull(self) -> None:
         # Every seat's inbox is drained after each step, so seats that do not act still keep a full transcript.
         # The engine drains a seat only when it acts, and ``tell`` joins the notices of one channel that wait
-        # unread; joining them here too keeps each chat identical to the engine's.
+        # unread; joining them here the same way keeps each chat identical to the engine's.
         for role in self.agents:
-            chat = self._chats[role]
             for m in self.game.observe(role):
-                last = chat[-1] if chat else None
-                if m.role == "user" and last is not None and last["role"] == "user" and last["channel"] == m.channel:
-                    chat[-1] = {**last, "content": last["content"] + "\n" + m.content}
-                else:
-                    chat.append(_as_dict(m))
+                append_joined(self._chats[role], m)
 
     def _open_phase(self) -> None:
         self._queue = list(self.game.acting_roles())
@@ -258,7 +246,7 @@ class RepertoryAECEnv(AECEnv):
         result = game.result() if game.done else None
         self.infos = {}
         for role in self.agents:
-            chat = self._chats[role]
+            chat = message_dicts(self._chats[role])
             last_own = max((i for i, m in enumerate(chat) if m["role"] == "assistant"), default=-1)
             acting = role in self._queue
             info: dict[str, Any] = {
@@ -279,10 +267,6 @@ class RepertoryAECEnv(AECEnv):
                     points=result.roles[role].points, outcome=result.roles[role].outcome, end_reason=result.end_reason
                 )
             self.infos[role] = info
-
-
-def _as_dict(message: Message) -> dict[str, str]:
-    return {"role": message.role, "content": message.content, "channel": message.channel}
 
 
 def _pick_kernel(kernels: list[Kernel], kernel: int | str, env: str) -> Kernel:
@@ -330,4 +314,4 @@ def aec_env(
     return RepertoryAECEnv(game, kernels, fixed, judge, render_mode)
 
 
-__all__ = ["ACTION_MAX_CHARS", "OBSERVATION_MAX_CHARS", "Judge", "RepertoryAECEnv", "aec_env", "transcript"]
+__all__ = ["ACTION_MAX_CHARS", "OBSERVATION_MAX_CHARS", "RepertoryAECEnv", "aec_env", "transcript"]

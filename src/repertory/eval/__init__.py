@@ -17,10 +17,10 @@ from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import language_model, make_agent, trained_policy
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
-from repertory.rollout import EpisodeSpec, Judge, agent_seats, guarded_seats, schedule
+from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean_se
-from repertory.types import Episode, RepertoryError, RoleResult
+from repertory.types import Episode, Judge, RepertoryError, RoleResult
 from repertory.workers import WorkerPool, play
 
 CONCURRENT_SEATS = 128

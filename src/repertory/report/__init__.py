@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from repertory.config import load_config  # noqa: E402
 from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final  # noqa: E402
-from repertory.stats import format_mean_se, seed_summary  # noqa: E402
+from repertory.stats import finite_number, format_mean_se, seed_summary  # noqa: E402
 from repertory.types import RepertoryError  # noqa: E402
 
 
@@ -42,7 +41,7 @@ def write_report(
             errors = None
             if se_key:
                 se = {line["iteration"]: line.get(se_key) for line in lines if key in line}
-                errors = [se[x] if isinstance(se[x], (int, float)) and math.isfinite(se[x]) else 0.0 for x in xs]
+                errors = [se[x] if finite_number(se[x]) else 0.0 for x in xs]
             marker = "o" if len(xs) < 30 else None
             if errors and any(errors):
                 ax.errorbar(xs, ys, yerr=errors, label=key, marker=marker, capsize=3)

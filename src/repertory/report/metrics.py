@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
+
+from repertory.stats import finite_number
 
 FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "outcome.png": ("Normalised outcome of the trained seats", ("outcome", "eval/outcome")),
@@ -44,10 +45,6 @@ def is_standard_error(key: str) -> bool:
     return any(part.endswith("_se") for part in key.split("/"))
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def metric_series(
     lines: list[dict[str, Any]], prefixes: tuple[str, ...]
 ) -> dict[str, tuple[list[float], list[float]]]:
@@ -58,11 +55,11 @@ def metric_series(
             k
             for line in lines
             for k, v in line.items()
-            if _number(v) and not is_standard_error(k) and any(k == p or k.startswith(p) for p in prefixes)
+            if finite_number(v) and not is_standard_error(k) and any(k == p or k.startswith(p) for p in prefixes)
         }
     )
     out = {}
     for key in keys:
-        points = [(line["iteration"], line[key]) for line in lines if _number(line.get(key))]
+        points = [(line["iteration"], line[key]) for line in lines if finite_number(line.get(key))]
         out[key] = ([x for x, _ in points], [y for _, y in points])
     return out

@@ -20,7 +20,7 @@ from typing import Any
 
 from repertory.report.metrics import FIGURES, is_standard_error, metric_series, read_metrics, with_final
 from repertory.store import StoreError, read_credit, read_episodes
-from repertory.types import Episode, RepertoryError
+from repertory.types import Episode, Message, RepertoryError, message_dicts
 
 MAX_EPISODES = 300
 """Episodes the browser shows by default; a run with more is sampled evenly across its iterations."""
@@ -40,8 +40,8 @@ def _clip(text: str) -> str:
     return text[:MAX_MESSAGE_CHARS] + f"\n[... {len(text) - MAX_MESSAGE_CHARS} more characters in the episode file]"
 
 
-def _messages(messages: list[Any]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": _clip(m.content), "channel": m.channel} for m in messages]
+def _messages(messages: list[Message]) -> list[dict[str, str]]:
+    return [{**row, "content": _clip(row["content"])} for row in message_dicts(messages)]
 
 
 def episode_record(ep: Episode, credit: Credit) -> dict[str, Any]:

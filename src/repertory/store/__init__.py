@@ -20,7 +20,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from repertory.types import Action, Episode, Kernel, Message, RepertoryError, Result, RoleResult, Seat, Turn
+from repertory.types import (
+    Action,
+    Episode,
+    Kernel,
+    Message,
+    RepertoryError,
+    Result,
+    RoleResult,
+    Seat,
+    Turn,
+    message_dicts,
+)
 
 SCHEMA_VERSION = "1"
 
@@ -116,11 +127,6 @@ class StoreError(RepertoryError):
         self.path = path
 
 
-def message_rows(messages: list[Message]) -> list[dict[str, str]]:
-    """Messages as the rows of a ``MESSAGE_TYPE`` column."""
-    return [{"role": m.role, "content": m.content, "channel": m.channel} for m in messages]
-
-
 def _episode_row(ep: Episode) -> dict[str, Any]:
     return {
         "episode_id": ep.episode_id,
@@ -138,7 +144,7 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
                 "turn_index": t.turn_index,
                 "global_step": t.global_step,
                 "game_round": t.game_round,
-                "observation": message_rows(t.observation),
+                "observation": message_dicts(t.observation),
                 "text": t.text,
                 "action_tag": t.action.tag if t.action else None,
                 "action_value": json.dumps(t.action.value) if t.action else None,
@@ -157,7 +163,7 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
         "end_reason": ep.result.end_reason,
         "result_info": json.dumps(ep.result.info, sort_keys=True),
         "metrics": [{"name": k, "value": v} for k, v in ep.metrics.items()],
-        "final_observations": [{"seat_id": s, "messages": message_rows(m)} for s, m in ep.final_observations.items()],
+        "final_observations": [{"seat_id": s, "messages": message_dicts(m)} for s, m in ep.final_observations.items()],
     }
 
 

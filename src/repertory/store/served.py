@@ -31,8 +31,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from repertory.store import MESSAGE_TYPE, message_rows, write_table
-from repertory.types import Message, RepertoryError
+from repertory.store import MESSAGE_TYPE, write_table
+from repertory.types import Message, RepertoryError, message_dicts
 
 FORMAT = "repertory-served-log"
 MARKER = "served.json"
@@ -132,7 +132,7 @@ class ServedLog:
         rows = []
         for turn in turns:
             row = {name: getattr(turn, name) for name in SERVED_SCHEMA.names}
-            row["messages"] = message_rows(turn.messages)
+            row["messages"] = message_dicts(turn.messages)
             rows.append(row)
         path = write_table(self._part("turns"), pa.Table.from_pylist(rows, schema=SERVED_SCHEMA))
         with self._lock:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from repertory.store import MESSAGE_TYPE, message_rows, row_messages, write_table
-from repertory.types import Message, RepertoryError
+from repertory.store import MESSAGE_TYPE, row_messages, write_table
+from repertory.types import Message, RepertoryError, message_dicts
 
 
 @dataclass
@@ -68,7 +68,7 @@ def write_turns(path: str | Path, turns: Iterable[LoggedTurn]) -> Path:
     rows = []
     for turn in turns:
         row = {name: getattr(turn, name) for name in TURN_SCHEMA.names}
-        row["messages"] = message_rows(turn.messages)
+        row["messages"] = message_dicts(turn.messages)
         rows.append(row)
     return write_table(path, pa.Table.from_pylist(rows, schema=TURN_SCHEMA))
 
