@@ -1,7 +1,7 @@
 """Rollout benchmark without the CLI: ``python benchmarks/rollout.py [--episodes N] [--backend hf --backend vllm]``.
 
-Prints one JSON object: each engine vs naive per-turn generate() vs the float32 matmul limit (see
-``repertory.bench``).
+Prints one JSON object: each engine vs naive per-turn generate() vs the float32 matmul limit and the
+memory-bandwidth roofline (see ``repertory.bench``).
 """
 
 import argparse

@@ -299,3 +299,33 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tokenizer, episode
     for a, b in zip(learner.trainable_parameters(), restored.trainable_parameters()):
         assert torch.equal(a, b)
     assert copy.copy(share) == learner.shared_critic
+
+
+@pytest.mark.parametrize("layout", ["chains", "tree"])
+def test_attention_without_copied_heads_equals_the_copying_path(tokenizer, episodes, layout):
+    """The learner's log-probs, values and update under repertory's grouped-query attention (3 query heads per
+    key/value head, no copies) equal transformers' SDPA path, which copies the key/value heads."""
+    if layout == "chains":
+        batch_of = lambda: collect(episodes)  # noqa: E731
+    else:
+        prompt, responses = list(range(40, 60)), [list(range(70, 70 + n)) for n in (3, 5, 2)]
+        samples = [Sample(0, 0, prompt, r, [], True) for r in responses]
+        batch_of = lambda: Batch([], samples, [shared_prompt(prompt, list(enumerate(responses)))])  # noqa: E731
+    results = {}
+    for attention in ("repertory_gqa_sdpa", "sdpa"):
+        loaded = tiny_model(tokenizer, hidden=96, heads=6, kv_heads=2, seed=3)
+        loaded.model.set_attn_implementation(attention)
+        algo = AlgoConfig(estimator="omar", mini_batches=1, lr=1e-2)
+        learner = Learner(loaded, algo, LoraConfig(r=4), CriticConfig(), needs_critic=True, seed=0)
+        batch = batch_of()
+        learner.score(batch)
+        advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
+        returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
+        learner.update(batch, advantages, returns, iteration=0)
+        results[attention] = batch, torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
+    (ours, w1), (theirs, w2) = results["repertory_gqa_sdpa"], results["sdpa"]
+    assert ours.logp_old and sorted(ours.logp_old) == sorted(theirs.logp_old)
+    for i in ours.logp_old:
+        assert torch.allclose(ours.logp_old[i], theirs.logp_old[i], atol=1e-5)
+        assert torch.allclose(ours.values[i], theirs.values[i], atol=1e-5)
+    assert torch.allclose(w1, w2, atol=1e-5)

@@ -146,7 +146,7 @@ def test_unconstrained_tiny_model_writes_invalid_actions(backend):
 def test_self_play_is_one_generation_call_per_tick(tokenizer):
     backend = HFBackend(tiny_model(tokenizer, seed=1))
     agent = _agent(backend, constrained=True)
-    episodes = run_episodes(schedule("trust-and-split", [agent, agent], episodes=3, seed=1))
+    episodes = run_episodes(schedule("trust-and-split", [agent, agent], episodes=3, seed=1), schedule="tick")
     assert backend.stats.calls == 30  # 10 rounds x (message, reply, keep), all seats of all episodes at once
     assert sum(len(ep.turns) for ep in episodes) == 3 * 40
 
@@ -304,6 +304,10 @@ def test_bench_rollout_reports_ours_naive_and_limit(tokenizer, tmp_path, capsys)
     for key in ("ours_tok_s", "naive_tok_s", "limit_tok_s", "peak_rss_mb", "ours_prompt_tok_s"):
         assert result[key] > 0
     assert result["ours_over_naive"] == pytest.approx(result["ours_tok_s"] / result["naive_tok_s"])
+    hf = result["engines"]["hf"]
+    assert result["bandwidth_gbs"] > 0 and hf["roofline_tok_s"] > 0 and hf["forward_passes"] >= 10
+    assert hf["over_roofline"] == pytest.approx(hf["tok_s"] / hf["roofline_tok_s"])
+    assert result["ours_over_roofline"] == hf["over_roofline"]
     main(
         [
             "bench",
@@ -321,3 +325,53 @@ def test_bench_rollout_reports_ours_naive_and_limit(tokenizer, tmp_path, capsys)
     )
     shown = capsys.readouterr().out
     assert "limit" in shown and "GFLOP/s" in shown and "prompt tokens encoded (not cached)" in shown
+    assert "roofline" in shown and "GB/s" in shown
+
+
+def test_roofline_prices_each_pass_at_its_slower_of_memory_and_compute():
+    from repertory.bench import PassCost, roofline_seconds
+    from repertory.generation.core import ForwardPass
+
+    cost = PassCost(weight_bytes=1000, kv_bytes_per_token=10, flops_per_token=100, flops_per_pair=4)
+    passes = [ForwardPass(2, 14, 0, 60), ForwardPass(2, 2, 14, 16)]
+    # prefill: 1000 B = 1 s, 14 x 100 + 60 x 4 = 1640 FLOP = 1.64 s (compute-bound);
+    # decode: 1000 + 14 x 10 = 1140 B = 1.14 s (memory-bound), 2 x 100 + 16 x 4 = 264 FLOP = 0.264 s
+    assert roofline_seconds(passes, cost, bandwidth=1000.0, peak_flops=1000.0) == pytest.approx(1.64 + 1.14)
+    assert roofline_seconds([], cost, 1000.0, 1000.0) == 0
+
+
+def test_pass_cost_and_kv_bytes_per_token_from_the_config(tokenizer):
+    from transformers import GPT2Config, LlamaConfig
+
+    from repertory.bench import pass_cost
+    from repertory.models import kv_bytes_per_token
+
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    assert kv_bytes_per_token(llama, torch.float32) == 2 * 2 * 2 * 16 * 4 == 512
+    assert kv_bytes_per_token(llama, torch.bfloat16) == 256
+    # no key/value heads (as many as query heads) and no head size (hidden / heads) in the config
+    assert kv_bytes_per_token(GPT2Config(n_layer=2, n_head=4, n_embd=64), torch.float32) == 2 * 2 * 4 * 16 * 4
+    loaded = tiny_model(tokenizer, layers=2, hidden=64, heads=4)
+    cost = pass_cost(loaded)
+    assert cost.weight_bytes == 4 * loaded.n_params and cost.flops_per_token == 2 * loaded.n_params
+    assert cost.kv_bytes_per_token == 512 and cost.flops_per_pair == 4 * 2 * 4 * 16
+
+
+def test_each_forward_pass_records_its_rows_new_tokens_and_context(backend, tokenizer):
+    fresh = HFBackend(backend.loaded)
+    prompts = [tokenizer.encode("one two three four five")[:5], tokenizer.encode("a b c d e f g h i j k")[:9]]
+    assert [len(p) for p in prompts] == [5, 9]
+    out = fresh.generate(prompts, SamplingParams(temperature=0, max_new_tokens=3), seeds=[0, 1])
+    assert [len(g.token_ids) for g in out] == [3, 3]
+    # prefill: 5 + 9 tokens, each attending to itself and those before; then one token a row over the context
+    assert [tuple(p) for p in fresh.stats.passes] == [(2, 14, 0, 15 + 45), (2, 2, 14, 6 + 10), (2, 2, 16, 7 + 11)]
+    assert fresh.stats.forward_passes == 3
+    # a reused prefix is context: only the rest of the prompt is fed
+    prompt = tokenizer.encode("Round 1 of 10. " * 3)
+    first = fresh.generate([prompt], SamplingParams(temperature=0, max_new_tokens=3), seeds=[0], cache_keys=["k"])
+    longer = prompt + first[0].token_ids + tokenizer.encode(" next")
+    fresh.stats = type(fresh.stats)()
+    fresh.generate([longer], SamplingParams(temperature=0, max_new_tokens=1), seeds=[0], cache_keys=["k"])
+    reused = fresh.stats.reused_prompt_tokens
+    new = len(longer) - reused
+    assert reused > 0 and fresh.stats.passes == [(1, new, reused, new * reused + new * (new + 1) // 2)]

@@ -2,11 +2,26 @@
 
 ``rollout``: the same self-play episodes played (a) by each chosen engine (``hf``, ``vllm``) — every
 pending turn of every episode in one batched generation call per tick, the engine's start timed apart —
-and (b) naively, one ``model.generate`` call
-per agent per turn; (c) the machine's float32 matmul throughput measured in the same process,
-converted to tokens/s for this model (2 x parameters FLOPs per token). Besides generated tokens/s
-it reports computed tokens/s: prompt tokens actually encoded (not reused) plus generated tokens,
-the model's whole workload, which is what the limit bounds.
+and (b) naively, one ``model.generate`` call per agent per turn. Besides generated tokens/s it reports
+computed tokens/s: prompt tokens actually encoded (not reused) plus generated tokens, the model's whole
+workload. Two ceilings are measured in the same process:
+
+- the limit: the machine's matmul throughput (float32 on the CPU, bfloat16 on a GPU) converted to
+  tokens/s at 2 x parameters FLOPs per token. It bounds computed tokens, but decoding feeds a few
+  tokens per row and pass and is bound by memory, not arithmetic, so it overstates what generation
+  can reach.
+- the roofline: the hf engine records every forward pass's workload (rows, new tokens, cached context
+  tokens, query-key pairs attended; :class:`~repertory.generation.core.ForwardPass`). A pass must read
+  every weight and the cached keys and values it attends to (context tokens x
+  :func:`~repertory.models.kv_bytes_per_token`), and compute 2 x parameters FLOPs per new token plus
+  4 x layers x heads x head size per pair attended (scores and weighted values), so it takes at least
+  max(bytes / memory bandwidth, FLOPs / matmul peak) (:func:`roofline_seconds`). Summed over the run's
+  passes, generated tokens over that sum is the fastest the same passes could generate; ``over_roofline``
+  is the share of it reached. It prices the passes as the engine scheduled them (fewer, wider passes
+  would lower it), ignores writing the new keys and values, and counts the output layer for every new
+  token where a prompt needs it for its last only. vLLM records no passes (its scheduler is its own):
+  when ``hf`` ran too it gets the hf run's roofline, the same episodes' workload as hf batched it, else
+  none.
 
 ``train``: one optimisation step (forward, backward, AdamW) of the learner over a batch of
 self-play trajectories shaped like the default recipe's (a growing chat, short answers), timed
@@ -24,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +49,12 @@ from repertory.agents import Request, Response
 from repertory.agents.lm import LMAgent
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation import SamplingParams, make_backend
-from repertory.generation.core import stop_token_ids
-from repertory.models import LoadedModel
+from repertory.generation.core import ForwardPass, stop_token_ids
+from repertory.models import LoadedModel, attention_shape, kv_bytes_per_token
 from repertory.models.chat import chat_prompt_ids
 from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
-from repertory.system import matmul_flops, peak_rss_mb
+from repertory.system import matmul_flops, memory_bandwidth, peak_rss_mb
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn, derive
 
 
@@ -95,14 +111,49 @@ class RolloutBenchConfig:
     naive: bool = True
     matmul_seconds: float = 2.0
     backends: tuple[str, ...] = ("hf",)
+    bandwidth_seconds: float = 1.0
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What one forward pass of a model reads and computes, per unit of its workload (a :class:`ForwardPass`)."""
+
+    weight_bytes: int  # every parameter, read once per pass
+    kv_bytes_per_token: int  # per cached context token attended to
+    flops_per_token: int  # 2 x parameters per new token
+    flops_per_pair: int  # 4 x layers x heads x head size per (query, key) pair: scores and weighted values
+
+
+def pass_cost(loaded: LoadedModel) -> PassCost:
+    """The per-pass costs of ``loaded``, from its parameters and attention shape, in the dtype it runs in."""
+    config = loaded.model.config
+    layers, heads, _, head_dim = attention_shape(config)
+    kv = kv_bytes_per_token(config, loaded.model.dtype)
+    return PassCost(loaded.weight_bytes, kv, 2 * loaded.n_params, 4 * layers * heads * head_dim)
+
+
+def roofline_seconds(passes: Iterable[ForwardPass], cost: PassCost, bandwidth: float, peak_flops: float) -> float:
+    """The least time the passes take one after another: each at least its bytes (weights and cached keys and
+    values) over the memory ``bandwidth`` (bytes/s) and its FLOPs over ``peak_flops`` (FLOP/s), whichever is
+    longer."""
+    return sum(
+        max(
+            (cost.weight_bytes + p.context_tokens * cost.kv_bytes_per_token) / bandwidth,
+            (p.new_tokens * cost.flops_per_token + p.attended * cost.flops_per_pair) / peak_flops,
+        )
+        for p in passes
+    )
 
 
 def _specs(config: RolloutBenchConfig, agent: Any) -> list[EpisodeSpec]:
     return [spec for env in config.envs for spec in schedule(env, [agent, agent], config.episodes, config.seed)]
 
 
-def _engine_run(loaded: LoadedModel, kind: str, config: RolloutBenchConfig, limit_tok_s: float) -> dict[str, Any]:
-    """Start the ``kind`` engine on ``loaded``, play the episodes with it, close it; its numbers."""
+def _engine_run(
+    loaded: LoadedModel, kind: str, config: RolloutBenchConfig, limit_tok_s: float, bandwidth: float, peak: float
+) -> dict[str, Any]:
+    """Start the ``kind`` engine on ``loaded``, play the episodes with it, close it; its numbers, with the roofline
+    of its forward passes when it records them (else None)."""
     start = time.perf_counter()
     backend = make_backend(kind, loaded)
     start_s = time.perf_counter() - start
@@ -114,6 +165,8 @@ def _engine_run(loaded: LoadedModel, kind: str, config: RolloutBenchConfig, limi
     backend.close()
     stats = backend.stats
     prompt, generated, reused = stats.prompt_tokens, stats.generated_tokens, stats.reused_prompt_tokens
+    passes = stats.passes
+    roofline_tok_s = generated / roofline_seconds(passes, pass_cost(loaded), bandwidth, peak) if passes else None
     return {
         "start_seconds": start_s,
         "seconds": seconds,
@@ -128,15 +181,27 @@ def _engine_run(loaded: LoadedModel, kind: str, config: RolloutBenchConfig, limi
         "computed_tok_s": (prompt - reused + generated) / seconds,
         "over_limit": generated / seconds / limit_tok_s,
         "computed_over_limit": (prompt - reused + generated) / seconds / limit_tok_s,
+        "forward_passes": len(passes) or None,
+        "rows_per_pass": sum(p.rows for p in passes) / len(passes) if passes else None,
+        "roofline_tok_s": roofline_tok_s,
+        "over_roofline": generated / seconds / roofline_tok_s if roofline_tok_s else None,
     }
 
 
 def rollout_benchmark(loaded: LoadedModel, config: RolloutBenchConfig) -> dict[str, Any]:
-    """Play the configured self-play episodes with each engine and naively; measure the matmul limit; return the
-    numbers. ``engines`` holds each engine's; the ``ours_*`` keys repeat the first engine's."""
-    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
+    """Play the configured self-play episodes with each engine and naively; measure the matmul limit and the
+    memory bandwidth; return the numbers. ``engines`` holds each engine's; the ``ours_*`` keys repeat the first
+    engine's. An engine without pass records (vLLM) gets the hf run's roofline when hf ran too."""
+    device = str(loaded.device)
+    limit_flops = matmul_flops(config.matmul_seconds, device=device)
+    bandwidth = memory_bandwidth(config.bandwidth_seconds, device=device)
     limit_tok_s = limit_flops / (2 * loaded.n_params)
-    engines = {kind: _engine_run(loaded, kind, config, limit_tok_s) for kind in config.backends}
+    engines = {kind: _engine_run(loaded, kind, config, limit_tok_s, bandwidth, limit_flops) for kind in config.backends}
+    if "hf" in engines:
+        for numbers in engines.values():
+            if numbers["roofline_tok_s"] is None:
+                numbers["roofline_tok_s"] = engines["hf"]["roofline_tok_s"]
+                numbers["over_roofline"] = numbers["tok_s"] / numbers["roofline_tok_s"]
     first = engines[config.backends[0]]
     result: dict[str, Any] = {
         "model": loaded.name,
@@ -147,6 +212,7 @@ def rollout_benchmark(loaded: LoadedModel, config: RolloutBenchConfig) -> dict[s
         "max_new_tokens": config.max_new_tokens,
         "threads": torch.get_num_threads(),
         "limit_gflops": limit_flops / 1e9,
+        "bandwidth_gbs": bandwidth / 1e9,
         "limit_tok_s": limit_tok_s,
         "engines": engines,
         **{f"ours_{key}": value for key, value in first.items() if key not in ("episodes", "turns")},

@@ -71,6 +71,11 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(400, ge=1, description="Token budget per turn.")
     constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
     max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
+    schedule: Literal["continuous", "tick"] = Field(
+        "continuous",
+        description="continuous: an episode steps as soon as its seats have answered and its next requests join the "
+        "batch in flight; tick: every episode waits for the slowest answer of the tick. Both play the same episodes.",
+    )
     backend: str = Field(
         "hf",
         description="Generation backend that samples the policy: hf (transformers, the learner's own module) or vllm "
@@ -85,8 +90,8 @@ class RolloutConfig(_Section):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "
-        "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...), for hf max_batch and "
-        "prefix_cache_tokens.",
+        "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...), for hf kv_memory_mb (keys and values "
+        "in flight plus kept prefixes; 2048 on a CPU, a quarter of a GPU), max_batch and prefix_cache_tokens.",
     )
 
     @field_validator("env")
@@ -164,7 +169,6 @@ class AlgoConfig(EstimatorParams):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
     mask_truncated: bool = Field(False, description="Give turns cut by the token budget no loss.")
-
 
     @field_validator("grpo_scale", "ema_update")
     @classmethod
@@ -320,7 +324,8 @@ class WandbConfig(_Section):
     project: str = Field("repertory", description="The W&B project.")
     entity: str | None = Field(None, description="The W&B entity (user or team); default: the account's.")
     mode: Literal["offline", "online", "disabled"] | None = Field(
-        None, description="offline (files under RUN/wandb, `wandb sync` later), online or disabled; default: "
+        None,
+        description="offline (files under RUN/wandb, `wandb sync` later), online or disabled; default: "
         "WANDB_MODE, else offline.",
     )
 

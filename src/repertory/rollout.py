@@ -1,9 +1,13 @@
-"""The rollout engine: many episodes at once, one batched call per agent per tick.
+"""The rollout engine: many episodes at once, every model seat of every episode in one batch.
 
-Each tick gathers the pending requests of every acting seat of every running episode, groups
-them by agent, calls each agent once, then steps every episode with its answers. In self-play
-one agent fills every seat, so one call (one forward pass of a model) serves all roles of all
-episodes. Each episode owns its environment instance; nothing is shared between episodes.
+The pending requests of every acting seat of every running episode are grouped by agent. A language-model
+agent keeps one batch in flight (continuous batching): an episode steps as soon as its acting seats have
+answered, and its next requests join that batch between two decode steps, so no episode waits for another's
+longest answer. Bots, scripts, people and remote models answer each batch at once. In self-play one agent
+fills every seat, so each decode step (one forward pass of a model) serves all roles of all episodes.
+``schedule="tick"`` instead waits for every answer before any episode steps (one batched call per agent per
+tick); per-row seeds make both schedules play the same episodes. Each episode owns its environment instance;
+nothing is shared between episodes.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class _Running:
         self.unattached: dict[str, float] = {}
         self.guard_counts = {"guard/resampled": 0, "guard/stripped": 0}
         self.tick = 0
+        self.asked: dict[str, Request] = {}  # this step's requests, by role (the first attempt's)
+        self.answers: dict[str, tuple[Request, Response]] = {}  # the accepted answers so far, by role
+        self.attempts: dict[str, int] = {}  # the partner guard's new samples so far, by role
 
     def guarded(self, role: str) -> bool:
         """Whether the partner guard (docs/environments.md 1.6) watches this role's seat."""
@@ -149,19 +156,31 @@ class _Running:
         )
 
 
+SCHEDULES = ("continuous", "tick")
+JUDGE_BATCH = 16  # finished episodes scored in one judge call under continuous scheduling
+
+
 def run_episodes(
     specs: Iterable[EpisodeSpec],
     max_concurrent: int = 256,
     on_episode: Callable[[Episode], None] | None = None,
     judge: Judge | None = None,
     on_turn: Callable[[EpisodeSpec, Turn], None] | None = None,
+    schedule: str = "continuous",
 ) -> list[Episode]:
-    """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order. With a ``judge``,
-    the episodes that finish in a tick are scored in one call before they are returned. ``on_turn`` sees each
-    turn as soon as the referee has applied it (its reward may still grow: later rewards land on a seat's last
-    turn); ``on_episode`` each finished episode."""
+    """Play every spec, up to ``max_concurrent`` at a time; episodes come back in spec order.
+
+    ``schedule`` "continuous": an episode steps as soon as its acting seats have answered, and its next requests
+    join the batch a model agent has in flight; "tick": every episode's requests go out together and the
+    episodes step once every agent has answered them all (each tick waits for its slowest row). Both play the
+    same episodes, token for token. With a ``judge``, finished episodes are scored in batched calls before they
+    are returned. ``on_turn`` sees each turn as soon as the referee has applied it (its reward may still grow:
+    later rewards land on a seat's last turn); ``on_episode`` each finished episode."""
     if max_concurrent < 1:
         raise RepertoryError("max_concurrent must be at least 1")
+    if schedule not in SCHEDULES:
+        raise RepertoryError(f"rollout.schedule must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
+    engine = _Engine(on_turn, drain=schedule == "tick")
     pending: Iterator[tuple[int, EpisodeSpec]] = enumerate(specs)
     running: dict[int, _Running] = {}
     finished: dict[int, Episode] = {}
@@ -173,29 +192,109 @@ def run_episodes(
                 exhausted = True
             else:
                 running[nxt[0]] = _Running(nxt[1], judge)
-        by_agent: dict[int, tuple[Agent, list[tuple[int, Request]]]] = {}
-        for index, run in running.items():
-            for agent, request in run.requests():
-                by_agent.setdefault(id(agent), (agent, []))[1].append((index, request))
-        answers: dict[int, dict[str, tuple[Request, Response]]] = {i: {} for i in running}
-        for agent, batch in by_agent.values():
-            for (index, request), response in zip(batch, _act(agent, [request for _, request in batch])):
-                answers[index][request.role] = (request, response)
-        _guard(running, by_agent, answers)
-        for index in list(running):
-            if answers[index]:
-                for turn in running[index].step(answers[index]):
-                    if on_turn is not None:
-                        on_turn(running[index].spec, turn)
+        for run in running.values():
+            if not run.asked and not run.env.done:
+                engine.ask_turn(run)
+        engine.send()
+        engine.advance()
         done = [i for i in running if running[i].env.done]
-        if judge is not None:
-            _judge([running[i] for i in done], judge)
-        for index in done:
-            episode = running.pop(index).episode()
-            finished[index] = episode
-            if on_episode is not None:
-                on_episode(episode)
+        if judge is None or engine.drain or len(done) >= min(JUDGE_BATCH, len(running)):
+            if judge is not None:
+                _judge([running[i] for i in done], judge)
+            for index in done:
+                episode = running.pop(index).episode()
+                finished[index] = episode
+                if on_episode is not None:
+                    on_episode(episode)
     return [finished[i] for i in sorted(finished)]
+
+
+class _Engine:
+    """Routes requests to agents and answers back to episodes. Agents that can ``submit`` (language models)
+    keep a batch in flight that ``advance`` moves one decode step at a time (to the end under ``drain``); the
+    others answer each batch at once. An episode steps when every seat it asked has an answer that the partner
+    guard accepts."""
+
+    def __init__(self, on_turn: Callable[[EpisodeSpec, Turn], None] | None, drain: bool):
+        self.on_turn, self.drain = on_turn, drain
+        self.outbox: dict[int, tuple[Agent, list[tuple[_Running, Request]]]] = {}
+        self.in_flight: dict[int, Agent] = {}
+        self.owners: dict[int, _Running] = {}  # id of a submitted request -> its episode
+
+    def ask_turn(self, run: _Running) -> None:
+        for agent, request in run.requests():
+            run.asked[request.role] = request
+            self.ask(run, agent, request)
+
+    def ask(self, run: _Running, agent: Agent, request: Request) -> None:
+        self.outbox.setdefault(id(agent), (agent, []))[1].append((run, request))
+
+    def send(self) -> None:
+        """Every queued request to its agent: submitted to a streaming one, answered at once by the others."""
+        while self.outbox:
+            batches, self.outbox = self.outbox, {}
+            for agent, batch in batches.values():
+                requests = [request for _, request in batch]
+                if streams(agent):
+                    for run, request in batch:
+                        self.owners[id(request)] = run
+                    agent.submit(requests)  # type: ignore[attr-defined]
+                    self.in_flight[id(agent)] = agent
+                    continue
+                for (run, request), response in zip(batch, _act(agent, requests)):
+                    self.deliver(run, request, response)
+
+    def advance(self) -> None:
+        """One decode step of every agent with rows in flight (all of them under ``drain``); answers delivered."""
+        for key, agent in list(self.in_flight.items()):
+            while True:
+                for request, response in agent.poll():  # type: ignore[attr-defined]
+                    self.deliver(self.owners.pop(id(request)), request, response)
+                if not agent.busy or not self.drain:  # type: ignore[attr-defined]
+                    break
+            if not agent.busy:  # type: ignore[attr-defined]
+                del self.in_flight[key]
+        if self.drain:
+            self.send()  # the partner guard's new samples, before any episode moves on
+            if self.in_flight:
+                self.advance()
+
+    def deliver(self, run: _Running, request: Request, response: Response) -> None:
+        run.answers[request.role] = (run.asked[request.role], response)
+        if len(run.answers) < len(run.asked) or self._guard(run):
+            return
+        for turn in run.step(run.answers):
+            if self.on_turn is not None:
+                self.on_turn(run.spec, turn)
+        run.asked, run.answers, run.attempts = {}, {}, {}
+
+    def _guard(self, run: _Running) -> bool:
+        """The partner guard (docs/environments.md 1.6): a guarded seat whose answer breaks its private limit is
+        asked again, up to ``GUARD_RESAMPLES`` times; then the offending tags are deleted and the rest is sent as
+        a plain message, with no token record (it is not what the model sampled). Whether a seat was asked again."""
+        again = False
+        for role, (request, response) in list(run.answers.items()):
+            if not run.guarded(role) or response.finish == "guarded":
+                continue
+            stripped = run.env.guard(role, response.text)
+            if stripped is None:
+                continue
+            attempt = run.attempts.get(role, 0) + 1
+            if attempt > GUARD_RESAMPLES:
+                run.guard_counts["guard/stripped"] += 1
+                run.answers[role] = (request, Response(stripped, finish="guarded"))
+                continue
+            run.guard_counts["guard/resampled"] += 1
+            run.attempts[role] = attempt
+            del run.answers[role]
+            self.ask(run, run.spec.agents[request.seat], replace(request, attempt=attempt))
+            again = True
+        return again
+
+
+def streams(agent: Agent) -> bool:
+    """Whether ``agent`` takes requests into a batch in flight (``submit``/``poll``/``busy``)."""
+    return callable(getattr(agent, "submit", None))
 
 
 def _judge(runs: list[_Running], judge: Judge) -> None:
@@ -238,39 +337,6 @@ def _act(agent: Agent, requests: list[Request]) -> list[Response]:
     if len(responses) != len(requests):
         raise RuntimeError(f"agent {agent.name} answered {len(responses)} of {len(requests)} requests")
     return responses
-
-
-def _guard(
-    running: dict[int, _Running],
-    by_agent: dict[int, tuple[Agent, list[tuple[int, Request]]]],
-    answers: dict[int, dict[str, tuple[Request, Response]]],
-) -> None:
-    """The partner guard: a guarded seat whose answer breaks its private limit is asked again, up to
-    ``GUARD_RESAMPLES`` times (batched per agent); then the offending tags are deleted and the rest
-    is sent as a plain message, with no token record (it is not what the model sampled)."""
-    for attempt in range(1, GUARD_RESAMPLES + 2):
-        again: dict[int, tuple[Agent, list[tuple[int, Request]]]] = {}
-        for agent, batch in by_agent.values():
-            for index, request in batch:
-                run = running[index]
-                if not run.guarded(request.role):
-                    continue
-                stripped = run.env.guard(request.role, answers[index][request.role][1].text)
-                if stripped is None:
-                    continue
-                if attempt > GUARD_RESAMPLES:
-                    run.guard_counts["guard/stripped"] += 1
-                    answers[index][request.role] = (request, Response(stripped, finish="guarded"))
-                else:
-                    run.guard_counts["guard/resampled"] += 1
-                    retry = replace(request, attempt=attempt)
-                    again.setdefault(id(agent), (agent, []))[1].append((index, retry))
-        if not again:
-            return
-        for agent, batch in again.values():
-            for (index, request), response in zip(batch, _act(agent, [request for _, request in batch])):
-                answers[index][request.role] = (answers[index][request.role][0], response)
-        by_agent = again
 
 
 def schedule(

@@ -29,6 +29,29 @@ def matmul_flops(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> fl
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
+def memory_bandwidth(seconds: float = 1.0, device: str = "cpu", mib: int | None = None) -> float:
+    """Sustained memory read bandwidth in bytes/s: how fast summing a float32 tensor far larger than the caches
+    (``mib`` MiB: 256 on the CPU, 1024 on a GPU, ``device`` "cuda") streams it from main or device memory, once
+    per sum — what decoding does with the weights and cached keys and values at every step. Writes are not
+    measured (a sum writes one number)."""
+    import torch
+
+    on_gpu = str(device).startswith("cuda")
+    n = (mib or (1024 if on_gpu else 256)) * 2**20 // 4
+    data = torch.ones(n, device=device, dtype=torch.float32)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    data.sum()  # first touch and kernel selection out of the timing
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        data.sum()
+        count += 1
+        if on_gpu and count % 8 == 0:
+            sync()
+    sync()
+    return 4 * n * count / (time.perf_counter() - start)
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

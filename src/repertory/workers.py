@@ -31,6 +31,7 @@ from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.envs import env_class
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
+from repertory.models.attention import ATTENTION
 from repertory.models.checkpoints import load_adapter
 from repertory.rollout import EpisodeSpec, run_episodes
 from repertory.types import Episode, Judge, RepertoryError
@@ -81,7 +82,8 @@ class RolloutWorker:
         from peft import get_peft_model, set_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(source.model_config, dtype=next(iter(source.base.values())).dtype)
+        dtype = next(iter(source.base.values())).dtype
+        model = AutoModelForCausalLM.from_config(source.model_config, dtype=dtype, attn_implementation=ATTENTION)
         model.load_state_dict(source.base, strict=False)
         model.eval()
         peft, reference = None, None
@@ -125,10 +127,12 @@ class RolloutWorker:
             self.agents[spec] = make_agent(spec, self.env, self.options, self.live)
         return self.agents[spec]
 
-    def play(self, shard: list[tuple[EpisodeSpec, list[str]]], max_concurrent: int) -> list[Episode]:
+    def play(
+        self, shard: list[tuple[EpisodeSpec, list[str]]], max_concurrent: int, schedule: str = "continuous"
+    ) -> list[Episode]:
         """Play a shard: each episode's spec (without agents) and its seats' agent specs."""
         specs = [replace(spec, agents=[self.agent(name) for name in names]) for spec, names in shard]
-        return run_episodes(specs, max_concurrent)
+        return run_episodes(specs, max_concurrent, schedule=schedule)
 
     def pid(self) -> int:
         return os.getpid()
@@ -168,7 +172,11 @@ class WorkerPool:
         self._gather([a.update.remote(version, ref) for a in self.actors], "updating the policy", [])
 
     def play(
-        self, specs: list[EpisodeSpec], spec_of: Callable[[Agent], str], max_concurrent: int = 256
+        self,
+        specs: list[EpisodeSpec],
+        spec_of: Callable[[Agent], str],
+        max_concurrent: int = 256,
+        schedule: str = "continuous",
     ) -> list[Episode]:
         """Play ``specs`` sharded over the actors (``spec_of(agent)`` names each seat's agent); episodes in spec
         order. A dead actor raises with its shard named, and nothing of the call is returned."""
@@ -176,7 +184,9 @@ class WorkerPool:
         bounds = [len(specs) * k // n for k in range(n + 1)]
         shards = [specs[bounds[k] : bounds[k + 1]] for k in range(n)]
         refs = [
-            actor.play.remote([(replace(s, agents=[]), [spec_of(a) for a in s.agents]) for s in shard], max_concurrent)
+            actor.play.remote(
+                [(replace(s, agents=[]), [spec_of(a) for a in s.agents]) for s in shard], max_concurrent, schedule
+            )
             for actor, shard in zip(self.actors, shards)
         ]
         results = self._gather(refs, "playing", shards)

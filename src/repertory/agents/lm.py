@@ -6,6 +6,10 @@ the exact prompt ids, response ids and sampling log-probs with the text. The bac
 weights) is separate from the agent, so several agents share one model: a live policy, the base
 model with the LoRA adapters switched off (``adapter=None``), and frozen snapshots loaded as other
 adapters (``adapter="snapshot-K"``); the backend applies the choice per row.
+
+Under continuous batching the rollout engine ``submit``s each seat's request as soon as its episode needs it
+and ``poll``s one decode step at a time; every row keeps the seed of its (episode, seat, turn), so a request
+gets the same answer whether it was sampled in a tick's batch or joined one in flight.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from collections.abc import Callable
 from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
 from repertory.generation import Backend, SamplingParams, make_backend
-from repertory.generation.core import ENOUGH_EVERY
+from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, Stream, TokenTrie
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.types import derive
 
+Enough = Callable[[str], bool] | None
 LIVE_ADAPTER = "default"  # PEFT's name of the adapter a model is created with: the trained one
 
 _BACKENDS: dict[tuple[str, str | None], Backend] = {}
@@ -57,37 +62,65 @@ class LMAgent:
         self.policy_id = policy_id
         self.watch: Callable[[Request, str, int], None] | None = None
         """Sees each row's text and token count as they grow (every ``ENOUGH_EVERY`` tokens; live play)."""
+        self._stream: Stream | None = None
+        self._queued: dict[int, tuple[Request, list[int]]] = {}
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The seat's chat rendered with the model's chat template, ready for the assistant turn."""
         return chat_prompt_ids(self.backend.tokenizer, request.messages)
 
+    def _rows(self, requests: list[Request]) -> list[tuple[list[int], int, TokenTrie | None, tuple, Enough]]:
+        """Each request as a backend row: prompt ids, seed, constraint, prefix-cache key and ``enough`` check. The
+        seed depends on (episode, seat, turn, guard attempt) alone, so a row samples the same tokens in any batch."""
+        rows = []
+        for r in requests:
+            seed = derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
+            constraint = self.backend.constraint(r.choices) if self.constrained and r.choices is not None else None
+            enough = _visible_text_exceeds(r.max_chars) if r.max_chars is not None else None
+            if self.watch is not None:
+                enough = _watched(self.watch, r, enough)
+            rows.append((self.prompt_ids(r), seed, constraint, (self.name, r.episode_id, r.seat), enough))
+        return rows
+
+    def _response(self, prompt: list[int], generation: Generation) -> Response:
+        return Response(
+            text=self.backend.decode(generation.token_ids),
+            finish=generation.finish,
+            prompt_ids=prompt,
+            response_ids=generation.token_ids,
+            logp_sample=generation.logprobs,
+            policy_version=self.backend.version,
+        )
+
     def act(self, requests: list[Request]) -> list[Response]:
-        prompts = [self.prompt_ids(r) for r in requests]
-        seeds = [
-            derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
-            for r in requests
-        ]
-        constraints = [
-            self.backend.constraint(r.choices) if self.constrained and r.choices is not None else None for r in requests
-        ]
-        keys = [(self.name, r.episode_id, r.seat) for r in requests]
-        enough = [_visible_text_exceeds(r.max_chars) if r.max_chars is not None else None for r in requests]
-        if self.watch is not None:
-            enough = [_watched(self.watch, r, stop) for r, stop in zip(requests, enough)]
+        """Answer every request in one batched generation call."""
+        rows = self._rows(requests)
+        prompts, seeds, constraints, keys, enough = (list(x) for x in zip(*rows)) if rows else ([],) * 5
         adapters = None if self.adapter == LIVE_ADAPTER else [self.adapter] * len(requests)
         generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
-        return [
-            Response(
-                text=self.backend.decode(g.token_ids),
-                finish=g.finish,
-                prompt_ids=prompt,
-                response_ids=g.token_ids,
-                logp_sample=g.logprobs,
-                policy_version=self.backend.version,
-            )
-            for prompt, g in zip(prompts, generations)
-        ]
+        return [self._response(prompt, g) for prompt, g in zip(prompts, generations)]
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests into the batch in flight (continuous batching); ``poll`` returns them when answered."""
+        if self._stream is None:
+            self._stream = self.backend.stream(self.params, SYNCED if self.adapter == LIVE_ADAPTER else self.adapter)
+        for request, (prompt, *row) in zip(requests, self._rows(requests)):
+            self._queued[self._stream.add(prompt, *row)] = (request, prompt)
+
+    @property
+    def busy(self) -> bool:
+        """Whether submitted requests are still unanswered."""
+        return bool(self._queued)
+
+    def poll(self) -> list[tuple[Request, Response]]:
+        """One decode step of the batch in flight; the requests it finished, with their responses."""
+        if self._stream is None:
+            return []
+        done = []
+        for ticket, generation in self._stream.step():
+            request, prompt = self._queued.pop(ticket)
+            done.append((request, self._response(prompt, generation)))
+        return done
 
 
 def _visible_text_exceeds(limit: int) -> Callable[[str], bool]:

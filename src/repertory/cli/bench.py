@@ -27,7 +27,8 @@ def bench_rollout(
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
 ) -> None:
-    """Batched multi-role rollout per engine against per-turn generate() calls and the matmul limit."""
+    """Batched multi-role rollout per engine against per-turn generate() calls, the matmul limit and the roofline
+    (memory bandwidth and matmul throughput, pass by pass)."""
     from repertory.bench import RolloutBenchConfig, rollout_benchmark
     from repertory.generation import BACKENDS
     from repertory.models import load_model
@@ -46,8 +47,25 @@ def bench_rollout(
     if as_json:
         print(json.dumps(result))
         return
+    out.print(_rollout_table(result, names, naive))
+    out.print(
+        "engines: one batched generation per tick (hf: keyed prefix reuse; vllm: its prefix cache); naive: one "
+        "generate() call per turn; limit: the matmul throughput as tokens/s (2 x parameters FLOPs per token); "
+        "roofline: the hf run's forward passes, each at least its bytes read (weights, cached keys and values) over "
+        "the memory bandwidth and its FLOPs over the matmul throughput; "
+        "computed tokens = prompt tokens encoded (not cached) + generated"
+    )
+    out.print(
+        f"matmul {result['limit_gflops']:.1f} GFLOP/s, memory {result['bandwidth_gbs']:.1f} GB/s on "
+        f"{result['threads']} threads; peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
+def _rollout_table(result: dict, names: tuple[str, ...], naive: bool) -> Table:
+    """Each engine, naive, the limit and the roofline: tokens/s and the ratios between them."""
     table = Table(title=f"rollout: {result['episodes']} self-play episodes of {', '.join(names)} ({result['model']})")
-    for column in ("", "generated tok/s", "computed tok/s", "seconds", "start s", "cache hits", "vs naive", "vs limit"):
+    columns = ("", "generated tok/s", "computed tok/s", "seconds", "start s", "cache hits", "vs naive", "vs limit")
+    for column in (*columns, "vs roofline"):
         table.add_column(column, justify="right")
     for kind, numbers in result["engines"].items():
         table.add_row(
@@ -59,6 +77,7 @@ def bench_rollout(
             f"{numbers['cache_hit_rate']:.1%}",
             f"{numbers['over_naive']:.2f}x" if naive else "-",
             f"{numbers['over_limit']:.1%}",
+            f"{numbers['over_roofline']:.1%}" if numbers["over_roofline"] is not None else "-",
         )
     if naive:
         table.add_row(
@@ -70,18 +89,14 @@ def bench_rollout(
             "",
             "1.00x",
             f"{result['naive_tok_s'] / result['limit_tok_s']:.1%}",
+            "-",
         )
-    table.add_row("limit", f"{result['limit_tok_s']:.1f}", "", "", "", "", "", "100%")
-    out.print(table)
-    out.print(
-        "engines: one batched generation per tick (hf: keyed prefix reuse; vllm: its prefix cache); naive: one "
-        "generate() call per turn; limit: the float32 matmul throughput as tokens/s (2 x parameters FLOPs per token); "
-        "computed tokens = prompt tokens encoded (not cached) + generated"
-    )
-    out.print(
-        f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
-        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
-    )
+    table.add_row("limit", f"{result['limit_tok_s']:.1f}", "", "", "", "", "", "100%", "")
+    # every engine's roofline is the hf run's (vllm records no passes), none without hf
+    roofline = next((n["roofline_tok_s"] for n in result["engines"].values() if n["roofline_tok_s"]), None)
+    if roofline is not None:
+        table.add_row("roofline", f"{roofline:.1f}", "", "", "", "", "", "", "100%")
+    return table
 
 
 def _print_step_table(title: str, result: dict, variants: tuple[str, str]) -> None:
@@ -160,5 +175,3 @@ def bench_candidates(
         f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
         f"peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
-
-

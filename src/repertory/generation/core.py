@@ -3,9 +3,10 @@ values it takes and returns."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
 
@@ -92,17 +93,100 @@ class TokenizedChoices:
         """Text of response tokens, without special tokens such as the end-of-turn token."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def stream(self, params: SamplingParams, adapter: object = SYNCED) -> Stream:
+        """Rows sampled with ``params`` by the version ``adapter`` names (as in ``generate``), queued and collected
+        by ticket. This default samples every queued row in one ``generate`` call per step; an engine that can
+        admit rows between decode steps (hf) overrides it."""
+        return CallStream(self, params, adapter)  # type: ignore[arg-type]
+
+
+class Stream(Protocol):
+    """Rows that join a running batch: ``add`` queues one and returns its ticket; ``step`` advances the batch and
+    returns the rows that finished, by ticket; ``busy`` while any is queued or in flight."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        seed: int,
+        constraint: TokenTrie | None = None,
+        key: object = None,
+        enough: Callable[[str], bool] | None = None,
+    ) -> int: ...
+
+    def step(self) -> list[tuple[int, Generation]]: ...
+
+
+class CallStream:
+    """A :class:`Stream` over ``generate``: each step samples every queued row in one call."""
+
+    def __init__(self, backend: Backend, params: SamplingParams, adapter: object = SYNCED):
+        self.backend, self.params, self.adapter = backend, params, adapter
+        self._queued: list[tuple[int, Sequence[int], int, TokenTrie | None, object, Callable[[str], bool] | None]] = []
+        self._tickets = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queued)
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        seed: int,
+        constraint: TokenTrie | None = None,
+        key: object = None,
+        enough: Callable[[str], bool] | None = None,
+    ) -> int:
+        self._tickets += 1
+        self._queued.append((self._tickets, prompt, seed, constraint, key, enough))
+        return self._tickets
+
+    def step(self) -> list[tuple[int, Generation]]:
+        rows, self._queued = self._queued, []
+        if not rows:
+            return []
+        tickets, prompts, seeds, constraints, keys, enough = (list(x) for x in zip(*rows))
+        adapters = None if self.adapter is SYNCED else [self.adapter] * len(rows)
+        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
+        return list(zip(tickets, generations))
+
+
+class ForwardPass(NamedTuple):
+    """One forward pass's workload: rows in the batch, new tokens fed, cached context tokens read (the rows' earlier
+    tokens, the new ones excluded) and (query, key) pairs attended (each new token with its row's context and the
+    new tokens up to itself); padding counts nowhere."""
+
+    rows: int
+    new_tokens: int
+    context_tokens: int
+    attended: int
+
 
 @dataclass
 class GenerationStats:
     """Counters over the backend's lifetime (for benchmarks and metrics)."""
 
-    calls: int = 0
+    calls: int = 0  # batches of rows that joined the engine (hf: each admission; one generate call at least one)
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
     shared_prompt_tokens: int = 0  # not encoded: another row of the same call had the same prompt
     generated_tokens: int = 0
     forward_passes: int = 0
+    # every pass's ForwardPass flat, four integers a pass, so a long run's records stay small (hf only)
+    workload: array = field(default_factory=lambda: array("q"), repr=False)
+
+    def record_forward(self, rows: int, new_tokens: int, context_tokens: int, attended: int) -> None:
+        """Count one forward pass and keep its workload."""
+        self.forward_passes += 1
+        self.workload.extend((rows, new_tokens, context_tokens, attended))
+
+    @property
+    def passes(self) -> list[ForwardPass]:
+        """The recorded forward passes in order (empty for an engine that does not record them)."""
+        w = self.workload
+        return [ForwardPass(*w[i : i + 4]) for i in range(0, len(w), 4)]
 
     @property
     def cache_hit_rate(self) -> float:
@@ -120,6 +204,8 @@ class Backend(Protocol):
     log softmax(logits / T) over the full vocabulary at the sampling temperature. Without ``adapters`` every
     row samples the synced policy as it is (under LoRA, its live adapter); with them, a str names a LoRA
     adapter of the synced PEFT model (``LoadedModel.peft``) and None its base with the adapters off.
+    ``stream`` is the same sampling for rows that arrive while others decode (continuous batching: the rollout
+    engine sends a seat's next request as soon as its episode steps), with the same per-row guarantees.
     ``sync`` makes the engine sample from the learner's current weights after an update (and wakes an
     offloaded engine); ``offload`` frees the device for a learner step where the engine can (vLLM on GPU
     sleeps); ``reset_cache`` forgets kept prefixes; ``close`` releases the engine."""
@@ -143,6 +229,8 @@ class Backend(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def constraint(self, choices: Sequence[str]) -> TokenTrie: ...
+
+    def stream(self, params: SamplingParams, adapter: object = SYNCED) -> Stream: ...
 
     def sync(self, policy: Any) -> None: ...
 

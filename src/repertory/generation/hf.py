@@ -1,23 +1,30 @@
-"""Generation backend ``hf``: batched sampling with exact per-token log-probs and constrained actions.
+"""Generation backend ``hf``: continuous batching with exact per-token log-probs and constrained actions.
 
-One call samples continuations for many prompts of different lengths at once: prompts are
-left-padded into one batch, encoded in one forward pass, then decoded token by token with a KV
-cache; rows that finish are dropped from the batch so the rest run on. For every sampled token it
-records ``log softmax(logits / T)[token]`` over the full vocabulary — the quantity the learner
-recomputes (docs/algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
+Rows are decoded in a :class:`DecodeStream`: one sampling setting and one policy version, rows of different
+prompt lengths left-padded into one key/value cache and decoded token by token. Rows join between two decode
+steps (their prompts are prefilled in one pass and their keys and values merged into the batch in flight) and
+leave as soon as they finish, so a caller that turns a finished row into its next request (the rollout engine:
+an episode steps as soon as its seats have answered) never waits for the batch's slowest row. ``generate`` is
+a stream that is handed every row at once and run until it is empty. For every sampled token it records
+``log softmax(logits / T)[token]`` over the full vocabulary — the quantity the learner recomputes
+(docs/algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
 
-Prefix reuse: a caller may name each row with a cache key (the LM agent uses episode and seat).
-After a row finishes, its keys and values are kept; when the same key comes back with a prompt
-that extends the stored tokens (a role's growing chat), only the new suffix is encoded. Kept
-prefixes are evicted least-recently-used beyond a token budget.
+Memory: keys and values in flight and kept prefixes share one budget (``kv_memory_mb``; 2 GiB on a CPU, a
+quarter of the device on a GPU). A row joins only while the padded cache of the batch, each row reserving its
+prompt and its whole token budget, fits; kept prefixes fill what the rows in flight leave, least recently used
+evicted first. A row that could not fit even alone is a one-line error before anything runs.
 
-Identical prompts in one call (several samples of one state) are encoded once: the batch is
-prefilled with each distinct prompt and its keys and values are copied to the rows that share it.
+Prefix reuse: a caller may name each row with a cache key (the LM agent uses episode and seat). After a row
+finishes, its keys and values are kept; when the same key comes back with a prompt that extends the stored
+tokens (a role's growing chat), only the new suffix is encoded.
 
-Each row draws its randomness from its own seed, so a row's tokens do not depend on which other
-rows share its batch. Constrained rows may only produce one of a finite set of complete responses:
-their logits are masked to the children of the current node of a token trie built from the
-tokenised choices (each followed by the end-of-turn token).
+Identical prompts joining together (several samples of one state) are encoded once: the prefill runs each
+distinct prompt and its keys and values are copied to the rows that share it.
+
+Each row draws its randomness from its own seed, so a row's tokens do not depend on which other rows share its
+batch or when it joined. Constrained rows may only produce one of a finite set of complete responses: their
+logits are masked to the children of the current node of a token trie built from the tokenised choices (each
+followed by the end-of-turn token).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +51,13 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
-from repertory.models import LoadedModel
+from repertory.models import LoadedModel, kv_bytes_per_token
+from repertory.types import RepertoryError
+
+GROW_TOKENS = 128
+MIN_REUSE = 8
+CPU_KV_MEMORY_MB = 2048  # keys and values in flight plus kept prefixes, on a CPU (docs/design.md, Memory)
+GPU_KV_SHARE = 0.25  # of the device's memory, on a GPU
 
 
 @dataclass
@@ -53,9 +66,10 @@ class _Prefix:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [heads, tokens, head_dim]
 
 
-class _GrowingLayer(DynamicLayer):
-    """A KV-cache layer that writes new tokens into spare room instead of concatenating: transformers'
-    dynamic layer copies the whole cache at every decoded token, which dominated long, wide decodes."""
+class _Layer(DynamicLayer):
+    """A KV-cache layer of a left-padded batch that writes new tokens into spare room instead of concatenating
+    (transformers' dynamic layer copies the whole cache at every decoded token), and that rows can leave
+    (:meth:`select`), join (:meth:`join`) and drop all-padding columns on the left (:meth:`trim`)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -70,47 +84,103 @@ class _GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self._length + key_states.shape[-2]
         if self._k is None or end > self._k.shape[-2]:
-            room = end + max(GROW_TOKENS, end // 4)
-            batch, heads, _, dim = key_states.shape
-            k = key_states.new_empty((batch, heads, room, dim))
-            v = value_states.new_empty((batch, value_states.shape[1], room, value_states.shape[-1]))
-            if self._k is not None:
-                k[..., : self._length, :] = self._k[..., : self._length, :]
-                v[..., : self._length, :] = self._v[..., : self._length, :]
-            self._k, self._v = k, v
+            self._store(self._k, self._v, key_states.shape[0], end, key_states)
         self._k[..., self._length : end, :] = key_states
         self._v[..., self._length : end, :] = value_states
         self._length = end
-        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        self._expose()
         return self.keys, self.values
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
+    def _store(self, k: torch.Tensor | None, v: torch.Tensor | None, rows: int, end: int, like: torch.Tensor) -> None:
+        """Room for ``end`` tokens and more; the kept ``_length`` columns of ``k``/``v`` (if any) copied in."""
+        room = end + max(GROW_TOKENS, end // 4)
+        self._k = like.new_zeros((rows, like.shape[1], room, like.shape[-1]))
+        self._v = like.new_zeros((rows, like.shape[1], room, like.shape[-1]))
+        if k is not None:
+            self._k[..., : self._length, :] = k[..., : self._length, :]
+            self._v[..., : self._length, :] = v[..., : self._length, :]
+
+    def _expose(self) -> None:
+        self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self._k, self._v = self._k[rows], self._v[rows]
+        self._expose()
+
+    def trim(self, start: int) -> None:
+        """Forget the first ``start`` columns (padding in every row): a view, no copy."""
+        self._k, self._v = self._k[..., start:, :], self._v[..., start:, :]
+        self._length -= start
+        self._expose()
+
+    def join(self, other: _Layer) -> None:
+        """Append ``other``'s rows below these, both left-padded to the longer of the two."""
+        width = max(self._length, other._length)
+        ka, va = self._k[..., : self._length, :], self._v[..., : self._length, :]
+        kb, vb = other._k[..., : other._length, :], other._v[..., : other._length, :]
+        rows = ka.shape[0] + kb.shape[0]
+        self._length = 0
+        self._store(None, None, rows, width, ka)
+        self._k[: ka.shape[0], :, width - ka.shape[2] : width] = ka
+        self._v[: ka.shape[0], :, width - va.shape[2] : width] = va
+        self._k[ka.shape[0] :, :, width - kb.shape[2] : width] = kb
+        self._v[ka.shape[0] :, :, width - vb.shape[2] : width] = vb
+        self._length = width
+        self._expose()
 
 
-def _growing_cache() -> DynamicCache:
+def _cache() -> DynamicCache:
     cache = DynamicCache()
-    cache.layer_class_to_replicate = _GrowingLayer
+    cache.layer_class_to_replicate = _Layer
     return cache
 
 
-GROW_TOKENS = 128
-MIN_REUSE = 8
+@dataclass
+class _Row:
+    """One continuation being sampled: what it was asked, and what it produced so far."""
+
+    ticket: int
+    prompt: list[int]
+    rng: torch.Generator
+    node: TokenTrie | None
+    key: object
+    enough: Callable[[str], bool] | None
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    finish: str = "length"
+    chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass
+
+    def generation(self) -> Generation:
+        return Generation(self.tokens, self.logps, self.finish)
 
 
 class HFBackend(TokenizedChoices):
     """Batched sampling with a transformers causal LM (CPU in float32, GPU in bfloat16)."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 64, prefix_cache_tokens: int = 131072):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_memory_mb: float | None = None,
+        max_batch: int | None = None,
+        prefix_cache_tokens: int | None = None,
+    ):
+        """``kv_memory_mb`` bounds keys and values in flight plus kept prefixes (default: 2 GiB on a CPU, a
+        quarter of a GPU); ``max_batch`` caps the rows in flight besides; ``prefix_cache_tokens`` caps the kept
+        prefixes below what the budget leaves them (0: keep none)."""
         self.loaded = loaded
-        self.prefix_cache_tokens = prefix_cache_tokens
-        self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()
         self.model = loaded.model
         self.peft = loaded.peft
         self.tokenizer = loaded.tokenizer
+        self.token_bytes = kv_bytes_per_token(loaded.model.config, next(loaded.model.parameters()).dtype)
+        memory_mb = kv_memory_mb if kv_memory_mb is not None else _default_kv_memory_mb(loaded.device)
+        if memory_mb <= 0 or (max_batch is not None and max_batch < 1):
+            raise RepertoryError("rollout.engine_args: kv_memory_mb must be positive and max_batch at least 1")
+        self.budget_tokens = int(memory_mb * 2**20) // self.token_bytes
         self.max_batch = max_batch
+        self.prefix_cache_tokens = self.budget_tokens if prefix_cache_tokens is None else prefix_cache_tokens
+        self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()
+        self._prefix_tokens = 0
+        self._reserved: dict[int, int] = {}  # stream id -> tokens its rows in flight may fill
         self.stats = GenerationStats()
         self.version = 0
         self.name = loaded.name
@@ -123,6 +193,10 @@ class HFBackend(TokenizedChoices):
     def end_of_turn_id(self) -> int:
         """The token that closes an assistant turn (the one a constrained response ends with)."""
         return end_of_turn_id(self.tokenizer, self.stop_ids)
+
+    def stream(self, params: SamplingParams, adapter: object = SYNCED) -> DecodeStream:
+        """A stream of rows sampled with ``params`` by the policy version ``adapter`` names (see ``generate``)."""
+        return DecodeStream(self, params, adapter)
 
     def generate(
         self,
@@ -148,21 +222,14 @@ class HFBackend(TokenizedChoices):
             groups.setdefault(adapters[i] if adapters is not None else SYNCED, []).append(i)
         out: list[Generation | None] = [None] * len(prompts)
         for adapter, rows in groups.items():
-            order = sorted(rows, key=lambda i: len(prompts[i]))
-            with self._sampling_with(adapter):
-                for start in range(0, len(order), self.max_batch):
-                    chunk = order[start : start + self.max_batch]
-                    results = self._generate_batch(
-                        [prompts[i] for i in chunk],
-                        params,
-                        [seeds[i] for i in chunk],
-                        [constraints[i] for i in chunk],
-                        [keys[i] for i in chunk],
-                        [enough[i] for i in chunk],
-                    )
-                    for i, result in zip(chunk, results):
-                        out[i] = result
-        self.stats.calls += 1
+            stream = self.stream(params, adapter)
+            index = {
+                stream.add(prompts[i], seeds[i], constraints[i], keys[i], enough[i]): i
+                for i in sorted(rows, key=lambda i: len(prompts[i]))
+            }
+            while stream.busy:
+                for ticket, generation in stream.step():
+                    out[index[ticket]] = generation
         return out  # type: ignore[return-value]
 
     @contextlib.contextmanager
@@ -184,110 +251,23 @@ class HFBackend(TokenizedChoices):
         finally:
             self.peft.set_adapter(active)
 
-    @torch.no_grad()
-    def _generate_batch(
-        self,
-        prompts: list[Sequence[int]],
-        params: SamplingParams,
-        seeds: list[int],
-        constraints: list[TokenTrie | None],
-        keys: list[object],
-        enough: list[Callable[[str], bool] | None],
-    ) -> list[Generation]:
-        device = self.loaded.device
-        n = len(prompts)
-        reused = [self._reusable(key, prompt) for key, prompt in zip(keys, prompts)]
-        distinct: dict[tuple[tuple[int, ...], int], int] = {}
-        source = [
-            distinct.setdefault((tuple(p), len(r[0]) if r else 0), i) for i, (p, r) in enumerate(zip(prompts, reused))
-        ]
-        encoded = sorted(set(source))
-        cache, past_mask = self._assemble_past([reused[i] for i in encoded], device)
-        suffixes = [list(prompts[i][len(reused[i][0]) if reused[i] else 0 :]) for i in encoded]
-        width = max(len(x) for x in suffixes)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        suffix_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, suffix in enumerate(suffixes):
-            input_ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
-            suffix_mask[i, width - len(suffix) :] = 1
-        mask = torch.cat([past_mask, suffix_mask], dim=1).to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.reused_prompt_tokens += sum(len(r[0]) for r in reused if r)
-        self.stats.shared_prompt_tokens += sum(len(prompts[i]) for i in range(n) if source[i] != i)
+    def _reserve(self, stream: DecodeStream, tokens: int) -> None:
+        """Record what ``stream``'s rows in flight may fill, and evict kept prefixes beyond what is left."""
+        if tokens:
+            self._reserved[id(stream)] = tokens
+        else:
+            self._reserved.pop(id(stream), None)
+        self._evict()
 
-        rngs = [torch.Generator().manual_seed(s % 2**63) for s in seeds]
-        nodes = list(constraints)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        finish = ["length"] * n
-        active = list(range(n))
-        temperature = params.temperature if params.temperature > 0 else 1.0
-        logits, cache = self._forward(input_ids.to(device), mask, positions, cache)
-        logits = logits[:, -1]
-        last_pos = positions[:, -1]
-        if len(encoded) < n:
-            slot = {i: row for row, i in enumerate(encoded)}
-            rows = torch.tensor([slot[i] for i in source], device=device)
-            cache.batch_select_indices(rows)
-            mask, last_pos, logits = mask[rows], last_pos[rows], logits[rows]
-        while True:
-            chosen, chosen_logp = self._sample(logits, params, [rngs[i] for i in active], [nodes[i] for i in active])
-            still: list[int] = []
-            chunks: list[list[int]] = []
-            for row, i in enumerate(active):
-                token = int(chosen[row])
-                tokens[i].append(token)
-                logps[i].append(float(chosen_logp[row]))
-                if nodes[i] is not None:
-                    nodes[i] = nodes[i].children.get(token)  # type: ignore[union-attr]
-                if token in self.stop_ids or (params.stop and self._hit_stop(tokens[i], params.stop)):
-                    finish[i] = "stop"
-                elif len(tokens[i]) >= params.max_new_tokens:
-                    finish[i] = "length"
-                elif enough[i] is not None and len(tokens[i]) % ENOUGH_EVERY == 0 and enough[i](self.decode(tokens[i])):
-                    finish[i] = "length"
-                else:
-                    still.append(row)
-                    forced = [] if params.stop else self._forced(nodes[i], params.max_new_tokens - len(tokens[i]))
-                    chunks.append([token, *forced])
-            self.stats.generated_tokens += len(active)
-            continuing = set(still)
-            for row, i in enumerate(active):
-                if row not in continuing:
-                    self._keep_prefix(keys[i], list(prompts[i]) + tokens[i][:-1], cache, row, mask[row])
-            if not still:
-                break
-            keep = torch.tensor(still, device=device)
-            if len(still) < len(active):
-                cache.batch_select_indices(keep)
-                mask, last_pos = mask[keep], last_pos[keep]
-            active = [active[row] for row in still]
-            # Forced tokens (a constraint with a single continuation) are fed in the same forward pass as
-            # the sampled token: one pass per real choice instead of one per token.
-            width = max(len(c) for c in chunks)
-            chunk_ids = torch.full((len(active), width), pad, dtype=torch.long)
-            chunk_mask = torch.zeros((len(active), width), dtype=mask.dtype)
-            for row, chunk in enumerate(chunks):
-                chunk_ids[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-                chunk_mask[row, : len(chunk)] = 1
-            mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
-            steps = torch.arange(1, width + 1, device=device).unsqueeze(0)
-            logits, cache = self._forward(chunk_ids.to(device), mask, last_pos.unsqueeze(1) + steps, cache, keep=width)
-            lengths = torch.tensor([len(c) for c in chunks], device=device)
-            last_pos = last_pos + lengths
-            next_logits = logits[torch.arange(len(active), device=device), lengths - 1]
-            for row, (i, chunk) in enumerate(zip(active, chunks)):
-                if len(chunk) > 1:
-                    forced_logp = torch.log_softmax(logits[row, : len(chunk) - 1] / temperature, dim=-1)
-                    for j, token in enumerate(chunk[1:]):
-                        tokens[i].append(token)
-                        logps[i].append(float(forced_logp[j, token]))
-                        nodes[i] = nodes[i].children.get(token)  # type: ignore[union-attr]
-                    self.stats.generated_tokens += len(chunk) - 1
-            logits = next_logits
-        return [Generation(tokens[i], logps[i], finish[i]) for i in range(n)]
+    def room(self, stream: DecodeStream) -> int:
+        """Tokens of the budget that ``stream``'s rows in flight may fill (the other streams' taken out)."""
+        return self.budget_tokens - sum(t for s, t in self._reserved.items() if s != id(stream))
+
+    def _evict(self) -> None:
+        limit = min(self.prefix_cache_tokens, self.budget_tokens - sum(self._reserved.values()))
+        while self._prefixes and self._prefix_tokens > limit:
+            _, evicted = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(evicted.token_ids)
 
     def _reusable(self, key: object, prompt: Sequence[int]) -> tuple[list[int], _Prefix] | None:
         """The longest kept prefix of ``prompt`` under ``key`` (leaving one token to encode), if worth it."""
@@ -310,7 +290,7 @@ class HFBackend(TokenizedChoices):
         n = len(reused)
         longest = max((len(r[0]) for r in reused if r), default=0)
         mask = torch.zeros((n, longest), dtype=torch.long)
-        cache = _growing_cache()
+        cache = _cache()
         if longest == 0:
             return cache, mask
         sample = next(r[1].kv for r in reused if r)
@@ -333,22 +313,21 @@ class HFBackend(TokenizedChoices):
         self, key: object, token_ids: list[int], cache: DynamicCache, row: int, mask: torch.Tensor
     ) -> None:
         """Keep one row's keys and values (its unpadded positions) for the next turn under ``key``."""
-        if key is None or self.prefix_cache_tokens <= 0 or len(token_ids) > self.prefix_cache_tokens:
+        if key is None or len(token_ids) > self.prefix_cache_tokens:
             return
         valid = mask.nonzero().squeeze(1)
         kv = [
             (layer.keys[row][:, valid].contiguous(), layer.values[row][:, valid].contiguous()) for layer in cache.layers
         ]
-        self._prefixes.pop(key, None)
+        old = self._prefixes.pop(key, None)
+        self._prefix_tokens += len(token_ids) - (len(old.token_ids) if old else 0)
         self._prefixes[key] = _Prefix(token_ids, kv)
-        total = sum(len(p.token_ids) for p in self._prefixes.values())
-        while total > self.prefix_cache_tokens:
-            _, evicted = self._prefixes.popitem(last=False)
-            total -= len(evicted.token_ids)
+        self._evict()
 
     def reset_cache(self) -> None:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
         self._prefixes.clear()
+        self._prefix_tokens = 0
 
     def sync(self, policy: Any) -> None:
         """The learner updated ``policy``, the very module this backend runs: nothing to copy, but every kept
@@ -385,6 +364,11 @@ class HFBackend(TokenizedChoices):
         keep: int = 1,
     ) -> tuple[torch.Tensor, DynamicCache]:
         """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache."""
+        # the pass's workload without padding, which the rollout benchmark's roofline prices
+        new = mask[:, -input_ids.shape[1] :].sum(1)
+        context = mask.sum(1) - new
+        attended = new * context + new * (new + 1) // 2
+        self.stats.record_forward(len(input_ids), *torch.stack([new.sum(), context.sum(), attended.sum()]).tolist())
         output = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -393,7 +377,6 @@ class HFBackend(TokenizedChoices):
             logits_to_keep=keep,
             **{self._cache_kwarg: cache},
         )
-        self.stats.forward_passes += 1
         new_cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         return output.logits[:, -keep:, :].float(), new_cache
 
@@ -434,3 +417,208 @@ class HFBackend(TokenizedChoices):
             scores = scores + (-torch.log(-torch.log(uniform))).to(scores.device)
         chosen = scores.argmax(dim=-1)
         return chosen, logp_full.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _default_kv_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory * GPU_KV_SHARE / 2**20
+    return CPU_KV_MEMORY_MB
+
+
+class DecodeStream:
+    """Rows of one sampling setting and one policy version, decoded together; rows join between two steps and
+    leave when they finish. ``add`` queues a row and returns its ticket; each ``step`` admits the queued rows
+    that fit the memory budget, samples one token (with the tokens a constraint forces after it) for every row
+    in flight and returns the rows that finished, by ticket."""
+
+    def __init__(self, backend: HFBackend, params: SamplingParams, adapter: object = SYNCED):
+        self.backend, self.params, self.adapter = backend, params, adapter
+        self.waiting: list[_Row] = []
+        self.rows: list[_Row] = []  # in flight, in the order of the cache's batch
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [rows, cached columns]: 1 for a real token
+        self.last_pos = torch.zeros(0, dtype=torch.long)  # each row's position of its last fed token
+        self.logits = torch.zeros(0)  # each row's next-token logits
+        self._tickets = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether rows are queued or in flight."""
+        return bool(self.waiting or self.rows)
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        seed: int,
+        constraint: TokenTrie | None = None,
+        key: object = None,
+        enough: Callable[[str], bool] | None = None,
+    ) -> int:
+        """Queue a row (see ``HFBackend.generate`` for the arguments); its ticket names it in ``step``'s results."""
+        need = len(prompt) + self.params.max_new_tokens
+        if need > self.backend.budget_tokens:
+            raise RepertoryError(
+                f"rollout.engine_args.kv_memory_mb: {self.backend.budget_tokens} tokens of keys and values fit "
+                f"({self.backend.token_bytes} bytes a token), but one row needs {need} ({len(prompt)} of prompt and "
+                f"max_new_tokens {self.params.max_new_tokens}); raise kv_memory_mb or lower max_new_tokens"
+            )
+        self._tickets += 1
+        rng = torch.Generator().manual_seed(seed % 2**63)
+        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough))
+        return self._tickets
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, Generation]]:
+        """Admit what fits, sample one token per row in flight, feed it; the rows that finished."""
+        with self.backend._sampling_with(self.adapter):
+            self._admit()
+            if not self.rows:
+                return []
+            finished = self._sample()
+            if self.rows:
+                self._decode()
+        return finished
+
+    def _need(self, rows: Sequence[_Row]) -> int:
+        """Tokens a padded batch of ``rows`` may fill: each as long as the longest prompt plus the token budget."""
+        return len(rows) * max((len(r.prompt) for r in rows), default=0) + len(rows) * self.params.max_new_tokens
+
+    def _admit(self) -> None:
+        room, cap = self.backend.room(self), self.backend.max_batch
+        joining: list[_Row] = []
+        while self.waiting and (cap is None or len(self.rows) + len(joining) < cap):
+            if self._need([*self.rows, *joining, self.waiting[0]]) > room:
+                break
+            joining.append(self.waiting.pop(0))
+        if not joining:
+            return
+        self.backend._reserve(self, self._need([*self.rows, *joining]))
+        self.backend.stats.calls += 1
+        cache, mask, last_pos, logits = self._prefill(joining)
+        if self.cache is None or not self.rows:
+            self.cache, self.mask, self.last_pos, self.logits = cache, mask, last_pos, logits
+        else:
+            for mine, theirs in zip(self.cache.layers, cache.layers):
+                mine.join(theirs)
+            width = max(self.mask.shape[1], mask.shape[1])
+            self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+            self.last_pos = torch.cat([self.last_pos, last_pos])
+            self.logits = torch.cat([self.logits, logits])
+        self.rows += joining
+
+    def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encode the joining rows' prompts (each distinct prompt once, after its kept prefix): their cache, mask,
+        last positions and next-token logits."""
+        backend, device = self.backend, self.backend.loaded.device
+        reused = [backend._reusable(r.key, r.prompt) for r in rows]
+        distinct: dict[tuple[tuple[int, ...], int], int] = {}
+        source = [
+            distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0), i)
+            for i, (r, u) in enumerate(zip(rows, reused))
+        ]
+        encoded = sorted(set(source))
+        cache, past_mask = backend._assemble_past([reused[i] for i in encoded], device)
+        suffixes = [rows[i].prompt[len(reused[i][0]) if reused[i] else 0 :] for i in encoded]
+        width = max(len(x) for x in suffixes)
+        pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        suffix_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            input_ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            suffix_mask[i, width - len(suffix) :] = 1
+        mask = torch.cat([past_mask, suffix_mask], dim=1).to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        backend.stats.prompt_tokens += sum(len(r.prompt) for r in rows)
+        backend.stats.reused_prompt_tokens += sum(len(u[0]) for u in reused if u)
+        backend.stats.shared_prompt_tokens += sum(len(rows[i].prompt) for i in range(len(rows)) if source[i] != i)
+        logits, cache = backend._forward(input_ids.to(device), mask, positions, cache)
+        logits, last_pos = logits[:, -1], positions[:, -1]
+        if len(encoded) < len(rows):
+            slot = {i: row for row, i in enumerate(encoded)}
+            copies = torch.tensor([slot[i] for i in source], device=device)
+            for layer in cache.layers:
+                layer.select(copies)
+            mask, last_pos, logits = mask[copies], last_pos[copies], logits[copies]
+        return cache, mask, last_pos, logits
+
+    def _sample(self) -> list[tuple[int, Generation]]:
+        """Draw each row's next token; rows that end leave the batch (their keys and values kept as a prefix)."""
+        backend, params = self.backend, self.params
+        chosen, chosen_logp = backend._sample(
+            self.logits, params, [r.rng for r in self.rows], [r.node for r in self.rows]
+        )
+        still: list[int] = []
+        for i, row in enumerate(self.rows):
+            token = int(chosen[i])
+            row.tokens.append(token)
+            row.logps.append(float(chosen_logp[i]))
+            if row.node is not None:
+                row.node = row.node.children.get(token)
+            if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
+                row.finish = "stop"
+            elif len(row.tokens) >= params.max_new_tokens:
+                row.finish = "length"
+            elif (
+                row.enough is not None
+                and len(row.tokens) % ENOUGH_EVERY == 0
+                and row.enough(backend.decode(row.tokens))
+            ):
+                row.finish = "length"
+            else:
+                still.append(i)
+                forced = [] if params.stop else backend._forced(row.node, params.max_new_tokens - len(row.tokens))
+                row.chunk = [token, *forced]
+        backend.stats.generated_tokens += len(self.rows)
+        kept = set(still)
+        finished = [(i, row) for i, row in enumerate(self.rows) if i not in kept]
+        for i, row in finished:
+            backend._keep_prefix(row.key, row.prompt + row.tokens[:-1], self.cache, i, self.mask[i])
+        if finished:
+            self._select(still)
+        return [(row.ticket, row.generation()) for _, row in finished]
+
+    def _select(self, still: list[int]) -> None:
+        """Keep the rows at ``still``; drop the columns that became padding in every row."""
+        keep = torch.tensor(still, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[i] for i in still]
+        self.mask, self.last_pos, self.logits = self.mask[keep], self.last_pos[keep], self.logits[keep]
+        start = int(self.mask.any(0).int().argmax()) if still else self.mask.shape[1]
+        for layer in self.cache.layers:
+            layer.select(keep)
+            if start:
+                layer.trim(start)
+        self.mask = self.mask[:, start:]
+        self.backend._reserve(self, self._need(self.rows))
+
+    def _decode(self) -> None:
+        """One forward pass over every row's chunk (its sampled token and the tokens a constraint forces after
+        it: one pass per real choice instead of one per token); the next-token logits."""
+        device, rows = self.mask.device, self.rows
+        width = max(len(r.chunk) for r in rows)
+        pad = self.backend.tokenizer.pad_token_id or 0
+        chunk_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        chunk_mask = torch.zeros((len(rows), width), dtype=self.mask.dtype)
+        for i, row in enumerate(rows):
+            chunk_ids[i, : len(row.chunk)] = torch.tensor(row.chunk, dtype=torch.long)
+            chunk_mask[i, : len(row.chunk)] = 1
+        self.mask = torch.cat([self.mask, chunk_mask.to(device)], dim=1)
+        steps = torch.arange(1, width + 1, device=device).unsqueeze(0)
+        logits, self.cache = self.backend._forward(
+            chunk_ids.to(device), self.mask, self.last_pos.unsqueeze(1) + steps, self.cache, keep=width
+        )
+        lengths = torch.tensor([len(r.chunk) for r in rows], device=device)
+        self.last_pos = self.last_pos + lengths
+        self.logits = logits[torch.arange(len(rows), device=device), lengths - 1]
+        temperature = self.params.temperature if self.params.temperature > 0 else 1.0
+        for i, row in enumerate(rows):
+            if len(row.chunk) > 1:
+                forced_logp = torch.log_softmax(logits[i, : len(row.chunk) - 1] / temperature, dim=-1)
+                for j, token in enumerate(row.chunk[1:]):
+                    row.tokens.append(token)
+                    row.logps.append(float(forced_logp[j, token]))
+                    row.node = row.node.children.get(token)  # type: ignore[union-attr]
+                self.backend.stats.generated_tokens += len(row.chunk) - 1
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

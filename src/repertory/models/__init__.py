@@ -24,6 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from repertory.models.attention import ATTENTION
 from repertory.types import RepertoryError
 
 # transformers warns about its own deprecated attribute whenever peft wraps or merges a model (LoRA, exports,
@@ -54,6 +55,29 @@ class LoadedModel:
     def n_params(self) -> int:
         """Parameters, counting tied embeddings once."""
         return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters in their own dtypes, counting tied embeddings once."""
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+
+
+def attention_shape(config: Any) -> tuple[int, int, int, int]:
+    """Layers, query heads, key/value heads and head size of a transformers config (its text model's for a
+    multimodal one); key/value heads default to the query heads (no grouped-query attention) and the head size
+    to hidden size / heads, as the architectures do when the config omits them."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in the KV cache: 2 x layers x key/value heads x head size x the
+    element size of ``dtype``."""
+    layers, _, kv_heads, head_dim = attention_shape(config)
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
 def cache_dir() -> Path:
@@ -136,7 +160,8 @@ def load_model(spec: str = EMBEDDED, device: str | None = None) -> LoadedModel:
         if not (path / "config.json").is_file():
             raise RepertoryError(f"--model {spec}: not a Hugging Face checkpoint directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype_for(target)).to(target)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype_for(target), attn_implementation=ATTENTION)
+    model = model.to(target)
     model.eval()
     if tokenizer.chat_template is None:
         raise RepertoryError(f"--model {spec}: the tokenizer has no chat template")
@@ -155,8 +180,10 @@ def tiny_model(
     hidden: int = 64,
     heads: int = 4,
     seed: int = 0,
+    kv_heads: int | None = None,
 ) -> LoadedModel:
-    """A randomly initialised Llama (the embedded model's architecture) with the real tokenizer."""
+    """A randomly initialised Llama (the embedded model's architecture) with the real tokenizer; ``kv_heads``
+    key/value heads (default half the query heads: grouped-query attention, as in SmolLM2's 9 to 3)."""
     tokenizer = tokenizer or load_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -164,7 +191,7 @@ def tiny_model(
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
+        num_key_value_heads=kv_heads or max(1, heads // 2),
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -172,6 +199,6 @@ def tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
     model.eval()
     return LoadedModel(model, tokenizer, f"tiny-{layers}x{hidden}")

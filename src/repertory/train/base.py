@@ -142,13 +142,13 @@ class Trainer:
         if distributed.world_size() > 1:  # data-parallel: each process plays its contiguous shard
             n, k = distributed.world_size(), distributed.rank()
             shard = specs[len(specs) * k // n : len(specs) * (k + 1) // n]
-            mine = run_episodes(shard, rollout.max_concurrent, judge=self.rollout_judge)
+            mine = run_episodes(shard, rollout.max_concurrent, judge=self.rollout_judge, schedule=rollout.schedule)
             return [episode for shard in distributed.gather(mine) for episode in shard]
         if not rollout.workers:
-            return run_episodes(specs, rollout.max_concurrent, judge=self.rollout_judge)
+            return run_episodes(specs, rollout.max_concurrent, judge=self.rollout_judge, schedule=rollout.schedule)
         if self.workers is None:
             self.workers = WorkerPool(rollout.workers, rollout.env, self._options(), self._live_source())
-        return self.workers.play(specs, self._spec_of, rollout.max_concurrent)
+        return self.workers.play(specs, self._spec_of, rollout.max_concurrent, rollout.schedule)
 
     def _spec_of(self, agent: Agent) -> str:
         """The spec a worker resolves to this line-up agent."""
