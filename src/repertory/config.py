@@ -90,7 +90,8 @@ class RolloutConfig(_Section):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "
-        "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...), for hf kv_memory_mb (keys and values "
+        "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...) and lora_mode (merged on a CPU, "
+        "requests on a GPU), for hf kv_memory_mb (keys and values "
         "in flight plus kept prefixes; 2048 on a CPU, a quarter of a GPU), max_batch and prefix_cache_tokens.",
     )
 

@@ -2,7 +2,8 @@
 
 ``rollout.backend`` names the engine and :func:`make_backend` builds it. ``hf`` (:mod:`repertory.generation.hf`)
 runs the learner's own transformers module, batched with prefix reuse and constrained actions; ``vllm``
-(:mod:`repertory.generation.vllm`) samples with an in-process vLLM engine, LoRA versions as adapter requests.
+(:mod:`repertory.generation.vllm`) samples with an in-process vLLM engine, LoRA versions merged into its weights on a
+CPU and as adapter requests on a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from repertory.generation.core import Backend, Generation, GenerationStats, Samp
 from repertory.models import LoadedModel
 from repertory.types import RepertoryError
 
-HF_OPTIONS = ("max_batch", "prefix_cache_tokens")
+HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens")
 
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:

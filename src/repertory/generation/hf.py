@@ -16,7 +16,8 @@ evicted first. A row that could not fit even alone is a one-line error before an
 
 Prefix reuse: a caller may name each row with a cache key (the LM agent uses episode and seat). After a row
 finishes, its keys and values are kept; when the same key comes back with a prompt that extends the stored
-tokens (a role's growing chat), only the new suffix is encoded.
+tokens (a role's growing chat), only the new suffix is encoded, and the kept copy is dropped (the row in flight
+holds those keys and values now, and its finish keeps the longer chat), so no chat is held twice.
 
 Identical prompts joining together (several samples of one state) are encoded once: the prefill runs each
 distinct prompt and its keys and values are copied to the rows that share it.
@@ -58,6 +59,7 @@ GROW_TOKENS = 128
 MIN_REUSE = 8
 CPU_KV_MEMORY_MB = 2048  # keys and values in flight plus kept prefixes, on a CPU (docs/design.md, Memory)
 GPU_KV_SHARE = 0.25  # of the device's memory, on a GPU
+REBUILD_SHARE = 0.25  # rows leaving plus joining, of the rows in flight, that make a batch rebuild worth its copy
 
 
 @dataclass
@@ -148,7 +150,8 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str = "length"
-    chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass
+    chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass (none once done)
+    done: bool = False
 
     def generation(self) -> Generation:
         return Generation(self.tokens, self.logps, self.finish)
@@ -324,6 +327,11 @@ class HFBackend(TokenizedChoices):
         self._prefixes[key] = _Prefix(token_ids, kv)
         self._evict()
 
+    def _forget(self, key: object) -> None:
+        forgotten = self._prefixes.pop(key, None)
+        if forgotten is not None:
+            self._prefix_tokens -= len(forgotten.token_ids)
+
     def reset_cache(self) -> None:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
         self._prefixes.clear()
@@ -429,12 +437,17 @@ class DecodeStream:
     """Rows of one sampling setting and one policy version, decoded together; rows join between two steps and
     leave when they finish. ``add`` queues a row and returns its ticket; each ``step`` admits the queued rows
     that fit the memory budget, samples one token (with the tokens a constraint forces after it) for every row
-    in flight and returns the rows that finished, by ticket."""
+    in flight and returns the rows that finished, by ticket.
+
+    Rebuilding the batch's cache copies every row's keys and values, as much memory traffic as a decode step
+    reads. So a finished row stays in the batch, masked out, and queued rows wait, until rows leaving plus
+    rows joining reach a quarter of the rows in flight (:data:`REBUILD_SHARE`): then one rebuild drops the one
+    and admits the other."""
 
     def __init__(self, backend: HFBackend, params: SamplingParams, adapter: object = SYNCED):
         self.backend, self.params, self.adapter = backend, params, adapter
         self.waiting: list[_Row] = []
-        self.rows: list[_Row] = []  # in flight, in the order of the cache's batch
+        self.rows: list[_Row] = []  # the cache's batch, in order; finished rows stay until the next rebuild
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # [rows, cached columns]: 1 for a real token
         self.last_pos = torch.zeros(0, dtype=torch.long)  # each row's position of its last fed token
@@ -444,7 +457,7 @@ class DecodeStream:
     @property
     def busy(self) -> bool:
         """Whether rows are queued or in flight."""
-        return bool(self.waiting or self.rows)
+        return bool(self.waiting) or any(not r.done for r in self.rows)
 
     def add(
         self,
@@ -472,11 +485,14 @@ class DecodeStream:
         """Admit what fits, sample one token per row in flight, feed it; the rows that finished."""
         with self.backend._sampling_with(self.adapter):
             self._admit()
-            if not self.rows:
+            if not any(not r.done for r in self.rows):
                 return []
             finished = self._sample()
-            if self.rows:
+            if any(not r.done for r in self.rows):
                 self._decode()
+            elif not self.waiting:  # idle: the batch's memory goes back to the budget
+                self.rows, self.cache = [], None
+                self.backend._reserve(self, 0)
         return finished
 
     def _need(self, rows: Sequence[_Row]) -> int:
@@ -484,15 +500,25 @@ class DecodeStream:
         return len(rows) * max((len(r.prompt) for r in rows), default=0) + len(rows) * self.params.max_new_tokens
 
     def _admit(self) -> None:
+        """Rebuild the batch when enough rows leave or can join: finished rows out, the queued rows that fit in."""
+        live = [i for i, r in enumerate(self.rows) if not r.done]
+        kept = [self.rows[i] for i in live]
         room, cap = self.backend.room(self), self.backend.max_batch
         joining: list[_Row] = []
-        while self.waiting and (cap is None or len(self.rows) + len(joining) < cap):
-            if self._need([*self.rows, *joining, self.waiting[0]]) > room:
+        while self.waiting and (cap is None or len(kept) + len(joining) < cap):
+            if self._need([*kept, *joining, self.waiting[0]]) > room:
                 break
             joining.append(self.waiting.pop(0))
-        if not joining:
+        if len(self.rows) - len(live) + len(joining) < max(1, REBUILD_SHARE * len(live)):
+            self.waiting[:0] = joining
             return
-        self.backend._reserve(self, self._need([*self.rows, *joining]))
+        if len(live) < len(self.rows):
+            self._select(live)
+        if joining:
+            self._join(joining)
+        self.backend._reserve(self, self._need(self.rows))
+
+    def _join(self, joining: list[_Row]) -> None:
         self.backend.stats.calls += 1
         cache, mask, last_pos, logits = self._prefill(joining)
         if self.cache is None or not self.rows:
@@ -511,6 +537,9 @@ class DecodeStream:
         last positions and next-token logits."""
         backend, device = self.backend, self.backend.loaded.device
         reused = [backend._reusable(r.key, r.prompt) for r in rows]
+        for row, hit in zip(rows, reused):
+            if hit:  # the row carries these keys and values now; its finish keeps the longer chat
+                backend._forget(row.key)
         distinct: dict[tuple[tuple[int, ...], int], int] = {}
         source = [
             distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0), i)
@@ -542,40 +571,36 @@ class DecodeStream:
         return cache, mask, last_pos, logits
 
     def _sample(self) -> list[tuple[int, Generation]]:
-        """Draw each row's next token; rows that end leave the batch (their keys and values kept as a prefix)."""
+        """Draw each live row's next token; rows that end are done (their keys and values kept as a prefix)."""
         backend, params = self.backend, self.params
-        chosen, chosen_logp = backend._sample(
-            self.logits, params, [r.rng for r in self.rows], [r.node for r in self.rows]
-        )
-        still: list[int] = []
-        for i, row in enumerate(self.rows):
-            token = int(chosen[i])
+        live = [i for i, r in enumerate(self.rows) if not r.done]
+        rows = [self.rows[i] for i in live]
+        logits = self.logits[live] if len(live) < len(self.rows) else self.logits
+        chosen, chosen_logp = backend._sample(logits, params, [r.rng for r in rows], [r.node for r in rows])
+        finished = []
+        for i, row, token, logp in zip(live, rows, chosen.tolist(), chosen_logp.tolist()):
             row.tokens.append(token)
-            row.logps.append(float(chosen_logp[i]))
+            row.logps.append(logp)
             if row.node is not None:
                 row.node = row.node.children.get(token)
             if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
                 row.finish = "stop"
             elif len(row.tokens) >= params.max_new_tokens:
                 row.finish = "length"
-            elif (
-                row.enough is not None
-                and len(row.tokens) % ENOUGH_EVERY == 0
-                and row.enough(backend.decode(row.tokens))
-            ):
+            elif row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0 and row.enough(self._text(row)):
                 row.finish = "length"
             else:
-                still.append(i)
                 forced = [] if params.stop else backend._forced(row.node, params.max_new_tokens - len(row.tokens))
                 row.chunk = [token, *forced]
-        backend.stats.generated_tokens += len(self.rows)
-        kept = set(still)
-        finished = [(i, row) for i, row in enumerate(self.rows) if i not in kept]
-        for i, row in finished:
+                continue
+            row.done, row.chunk = True, []
             backend._keep_prefix(row.key, row.prompt + row.tokens[:-1], self.cache, i, self.mask[i])
-        if finished:
-            self._select(still)
-        return [(row.ticket, row.generation()) for _, row in finished]
+            finished.append((row.ticket, row.generation()))
+        backend.stats.generated_tokens += len(rows)
+        return finished
+
+    def _text(self, row: _Row) -> str:
+        return self.backend.decode(row.tokens)
 
     def _select(self, still: list[int]) -> None:
         """Keep the rows at ``still``; drop the columns that became padding in every row."""
@@ -588,7 +613,6 @@ class DecodeStream:
             if start:
                 layer.trim(start)
         self.mask = self.mask[:, start:]
-        self.backend._reserve(self, self._need(self.rows))
 
     def _decode(self) -> None:
         """One forward pass over every row's chunk (its sampled token and the tokens a constraint forces after
