@@ -155,7 +155,10 @@ def test_a_failed_judge_flags_the_episode_excludes_it_from_means_and_counts_it()
     assert line["judge_failed"] == 1.0 and line["judge/overall"] == pytest.approx(27 / 7)
 
 
-def test_the_engine_sends_every_finished_episode_of_a_tick_to_the_judge_in_one_call():
+@pytest.mark.parametrize("mode,calls", [("tick", [6, 2]), ("continuous", [8])])
+def test_the_engine_sends_every_finished_episode_of_a_tick_to_the_judge_in_one_call(mode, calls):
+    """Tick scheduling judges the episodes that end in a tick together; continuous scheduling gathers finished
+    episodes until a batch of 16 or every running episode has finished (here all four, in one call)."""
     judge = RecordingJudge(fine_grained=True)
     kernel = kernel_of("used-guitar")
     # Three conversations that end on the same tick (the third turn) and one that ends later.
@@ -165,8 +168,8 @@ def test_the_engine_sends_every_finished_episode_of_a_tick_to_the_judge_in_one_c
         EpisodeSpec(f"social/{i}", "social", kernel, i, [a] * 3, env_options={"reward": "judge"})
         for i, a in enumerate([quick, quick, quick, slow])
     ]
-    episodes = run_episodes(specs, judge=judge)
-    assert [len(call) for call in judge.calls] == [6, 2]  # episode + fine-grained request per episode
+    episodes = run_episodes(specs, judge=judge, schedule=mode)
+    assert [len(call) for call in judge.calls] == calls  # episode + fine-grained request per episode
     assert [r.kind for r in judge.calls[0][:2]] == ["episode", "fine-grained"]
     assert all("fine_grained" in ep.result.info for ep in episodes)
     assert episodes[0].metrics["fine/empathy_expression"] == 5
