@@ -457,7 +457,11 @@ class DecodeStream:
     @property
     def busy(self) -> bool:
         """Whether rows are queued or in flight."""
-        return bool(self.waiting) or any(not r.done for r in self.rows)
+        return bool(self.waiting) or self._live
+
+    @property
+    def _live(self) -> bool:
+        return any(not r.done for r in self.rows)
 
     def add(
         self,
@@ -485,10 +489,10 @@ class DecodeStream:
         """Admit what fits, sample one token per row in flight, feed it; the rows that finished."""
         with self.backend._sampling_with(self.adapter):
             self._admit()
-            if not any(not r.done for r in self.rows):
+            if not self._live:
                 return []
             finished = self._sample()
-            if any(not r.done for r in self.rows):
+            if self._live:
                 self._decode()
             elif not self.waiting:  # idle: the batch's memory goes back to the budget
                 self.rows, self.cache = [], None
@@ -583,11 +587,12 @@ class DecodeStream:
             row.logps.append(logp)
             if row.node is not None:
                 row.node = row.node.children.get(token)
+            checked = row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0
             if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
                 row.finish = "stop"
             elif len(row.tokens) >= params.max_new_tokens:
                 row.finish = "length"
-            elif row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0 and row.enough(self._text(row)):
+            elif checked and row.enough(backend.decode(row.tokens)):  # type: ignore[misc]
                 row.finish = "length"
             else:
                 forced = [] if params.stop else backend._forced(row.node, params.max_new_tokens - len(row.tokens))
@@ -598,9 +603,6 @@ class DecodeStream:
             finished.append((row.ticket, row.generation()))
         backend.stats.generated_tokens += len(rows)
         return finished
-
-    def _text(self, row: _Row) -> str:
-        return self.backend.decode(row.tokens)
 
     def _select(self, still: list[int]) -> None:
         """Keep the rows at ``still``; drop the columns that became padding in every row."""
