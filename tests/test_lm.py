@@ -355,6 +355,10 @@ def test_pass_cost_and_kv_bytes_per_token_from_the_config(tokenizer):
     cost = pass_cost(loaded)
     assert cost.weight_bytes == 4 * loaded.n_params and cost.flops_per_token == 2 * loaded.n_params
     assert cost.kv_bytes_per_token == 512 and cost.flops_per_pair == 4 * 2 * 4 * 16
+    # bfloat16 sampling reads the linear layers (and the tied output head) in 2 bytes, the 5 norms of 64 in 4
+    linears = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) + len(tokenizer) * 64
+    assert loaded.n_params == linears + 5 * 64
+    assert pass_cost(loaded, "bfloat16").weight_bytes == 2 * linears + 4 * 5 * 64
 
 
 def test_each_forward_pass_records_its_rows_new_tokens_and_context(backend, tokenizer):

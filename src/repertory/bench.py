@@ -52,6 +52,7 @@ from repertory.generation import SamplingParams, make_backend
 from repertory.generation.core import ForwardPass, stop_token_ids
 from repertory.models import LoadedModel, attention_shape, kv_bytes_per_token
 from repertory.models.chat import chat_prompt_ids
+from repertory.models.linear import linear, sampled_weight_bytes
 from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.system import matmul_flops, memory_bandwidth, peak_rss_mb
@@ -112,6 +113,7 @@ class RolloutBenchConfig:
     matmul_seconds: float = 2.0
     backends: tuple[str, ...] = ("hf",)
     bandwidth_seconds: float = 1.0
+    precision: str = "float32"  # the hf engine's linear layers (rollout.engine_args.precision)
 
 
 @dataclass(frozen=True)
@@ -124,12 +126,14 @@ class PassCost:
     flops_per_pair: int  # 4 x layers x heads x head size per (query, key) pair: scores and weighted values
 
 
-def pass_cost(loaded: LoadedModel) -> PassCost:
-    """The per-pass costs of ``loaded``, from its parameters and attention shape, in the dtype it runs in."""
+def pass_cost(loaded: LoadedModel, precision: str = "float32") -> PassCost:
+    """The per-pass costs of ``loaded``, from its parameters and attention shape, in the dtype it runs in (its
+    linear layers' weights in ``precision``)."""
     config = loaded.model.config
     layers, heads, _, head_dim = attention_shape(config)
     kv = kv_bytes_per_token(config, loaded.model.dtype)
-    return PassCost(loaded.weight_bytes, kv, 2 * loaded.n_params, 4 * layers * heads * head_dim)
+    weights = sampled_weight_bytes(loaded.model, precision)
+    return PassCost(weights, kv, 2 * loaded.n_params, 4 * layers * heads * head_dim)
 
 
 def roofline_seconds(passes: Iterable[ForwardPass], cost: PassCost, bandwidth: float, peak_flops: float) -> float:
@@ -155,7 +159,7 @@ def _engine_run(
     """Start the ``kind`` engine on ``loaded``, play the episodes with it, close it; its numbers, with the roofline
     of its forward passes when it records them (else None)."""
     start = time.perf_counter()
-    backend = make_backend(kind, loaded)
+    backend = make_backend(kind, loaded, **({"precision": config.precision} if kind == "hf" else {}))
     start_s = time.perf_counter() - start
     params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
     agent = LMAgent(backend, "model", params, constrained=False, seed=config.seed)
@@ -166,7 +170,8 @@ def _engine_run(
     stats = backend.stats
     prompt, generated, reused = stats.prompt_tokens, stats.generated_tokens, stats.reused_prompt_tokens
     passes = stats.passes
-    roofline_tok_s = generated / roofline_seconds(passes, pass_cost(loaded), bandwidth, peak) if passes else None
+    cost = pass_cost(loaded, config.precision)
+    roofline_tok_s = generated / roofline_seconds(passes, cost, bandwidth, peak) if passes else None
     return {
         "start_seconds": start_s,
         "seconds": seconds,
@@ -188,12 +193,19 @@ def _engine_run(
     }
 
 
+def _matmul_limit(seconds: float, device: str, precision: str = "float32") -> float:
+    """The matmul FLOP/s of the kernel the models' linear layers run (oneDNN on a CPU), in ``precision`` where
+    sampling reduces it (a CPU's)."""
+    dtype = getattr(torch, precision) if precision != "float32" and device == "cpu" else None
+    return matmul_flops(seconds, device=device, product=linear, dtype=dtype)
+
+
 def rollout_benchmark(loaded: LoadedModel, config: RolloutBenchConfig) -> dict[str, Any]:
     """Play the configured self-play episodes with each engine and naively; measure the matmul limit and the
     memory bandwidth; return the numbers. ``engines`` holds each engine's; the ``ours_*`` keys repeat the first
     engine's. An engine without pass records (vLLM) gets the hf run's roofline when hf ran too."""
     device = str(loaded.device)
-    limit_flops = matmul_flops(config.matmul_seconds, device=device)
+    limit_flops = _matmul_limit(config.matmul_seconds, device, config.precision)
     bandwidth = memory_bandwidth(config.bandwidth_seconds, device=device)
     limit_tok_s = limit_flops / (2 * loaded.n_params)
     engines = {kind: _engine_run(loaded, kind, config, limit_tok_s, bandwidth, limit_flops) for kind in config.backends}
@@ -297,7 +309,7 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     from repertory.train.learner import Learner
 
     algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
-    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
+    limit_flops = _matmul_limit(config.matmul_seconds, str(loaded.device))
     n_params = loaded.n_params
     limit_tok_s = limit_flops / (6 * n_params)
     episodes = synthetic_episodes(config, loaded.model.config.vocab_size)
@@ -361,7 +373,7 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
             prompts.append(prompt)
             responses.append(torch.randint(0, vocab, (config.response_tokens,), generator=rng).tolist())
     advantages = torch.randn(len(prompts), generator=rng).tolist()
-    limit_flops = matmul_flops(config.matmul_seconds, device=str(loaded.device))
+    limit_flops = _matmul_limit(config.matmul_seconds, str(loaded.device))
     limit_tok_s = limit_flops / (10 * loaded.n_params)  # two scoring forwards (2 x 2N) + forward/backward (6N)
     result: dict[str, Any] = {
         "model": loaded.name,

@@ -91,8 +91,9 @@ class RolloutConfig(_Section):
         default_factory=dict,
         description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "
         "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...) and lora_mode (merged on a CPU, "
-        "requests on a GPU), for hf kv_memory_mb (keys and values "
-        "in flight plus kept prefixes; 2048 on a CPU, a quarter of a GPU), max_batch and prefix_cache_tokens.",
+        "requests on a GPU), for hf kv_memory_mb (keys and values in flight plus kept prefixes; 2048 on a CPU, a "
+        "quarter of a GPU), max_batch, prefix_cache_tokens and precision (float32, exact, the default; bfloat16: "
+        "linear layers through bfloat16 weight copies on a CPU, faster, corrected by rollout_correction).",
     )
 
     @field_validator("env")
@@ -147,7 +148,8 @@ class AlgoConfig(EstimatorParams):
         "auto",
         description="Weights for the gap between the sampler's and the learner's log-probs, applied in every policy "
         "loss: none, tis (min(r, cap)) or mis (r, tokens with r > cap masked), r = pi_learner / pi_sampler; auto = "
-        "none on the hf backend (it samples the learner's own module), tis on any other engine.",
+        "none on the hf backend in float32 (it samples the learner's own module), tis on any other engine or with "
+        "rollout.engine_args.precision bfloat16.",
     )
     rollout_correction_cap: float = Field(2.0, gt=1, description="The cap of rollout_correction tis and mis.")
     eps_low: float = Field(0.2, gt=0, description="PPO lower clip.")

@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
+from typing import Any
 
 
-def matmul_flops(seconds: float = 1.0, n: int = 1024, device: str = "cpu") -> float:
+def matmul_flops(
+    seconds: float = 1.0,
+    n: int = 1024,
+    device: str = "cpu",
+    product: Callable[[Any, Any], Any] | None = None,
+    dtype: Any = None,
+) -> float:
     """Sustained matmul FLOP/s of this machine in the precision models run in there: float32 ``n`` x ``n``
-    products on the CPU, bfloat16 8192 x 8192 ones on a GPU (``device`` "cuda")."""
+    products on the CPU, bfloat16 8192 x 8192 ones on a GPU (``device`` "cuda"); ``dtype`` overrides the
+    precision. ``product(a, b)`` is the kernel measured (default ``a @ b``); pass the one the models run, since
+    the CPU's kernels differ by vendor."""
     import torch  # only benchmarks measure the limit; the rest of this module is for light callers too
 
     on_gpu = str(device).startswith("cuda")
     n = 8192 if on_gpu else n
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    product = product or torch.matmul
     for _ in range(2):
-        a @ b
+        product(a, b)
     sync()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        a @ b
+        product(a, b)
         count += 1
         if on_gpu and count % 8 == 0:
             sync()

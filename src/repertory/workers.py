@@ -33,6 +33,7 @@ from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.attention import ATTENTION
 from repertory.models.checkpoints import load_adapter
+from repertory.models.linear import use_fast_linears
 from repertory.rollout import EpisodeSpec, run_episodes
 from repertory.types import Episode, Judge, RepertoryError
 
@@ -86,6 +87,7 @@ class RolloutWorker:
         model = AutoModelForCausalLM.from_config(source.model_config, dtype=dtype, attn_implementation=ATTENTION)
         model.load_state_dict(source.base, strict=False)
         model.eval()
+        use_fast_linears(model)
         peft, reference = None, None
         if source.lora is not None:
             with torch.random.fork_rng(devices=[]):

@@ -25,6 +25,9 @@ def bench_rollout(
     backend: list[str] | None = typer.Option(
         None, "--backend", "-b", help="Generation engine(s), each on the same episodes: hf (default), vllm."
     ),
+    precision: str = typer.Option(
+        "float32", "--precision", help="The hf engine's linear layers: float32 (exact) or bfloat16 (CPU, faster)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
 ) -> None:
     """Batched multi-role rollout per engine against per-turn generate() calls, the matmul limit and the roofline
@@ -32,6 +35,7 @@ def bench_rollout(
     from repertory.bench import RolloutBenchConfig, rollout_benchmark
     from repertory.generation import BACKENDS
     from repertory.models import load_model
+    from repertory.models.linear import PRECISIONS
 
     names = tuple(env or ("trust-and-split", "ipd"))
     for name in names:
@@ -42,7 +46,9 @@ def bench_rollout(
         raise RepertoryError(f"--backend: unknown generation backend {unknown[0]!r}; known: {', '.join(BACKENDS)}")
     check_run_options("train", seed, episodes)
     lm_options(model, 1.0, 1.0, max_new_tokens, False, seed)
-    config = RolloutBenchConfig(names, episodes, max_new_tokens, seed, naive, backends=engines)
+    if precision not in PRECISIONS:
+        raise RepertoryError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    config = RolloutBenchConfig(names, episodes, max_new_tokens, seed, naive, backends=engines, precision=precision)
     result = rollout_benchmark(load_model(model), config)
     if as_json:
         print(json.dumps(result))

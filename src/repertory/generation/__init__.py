@@ -15,7 +15,13 @@ from repertory.generation.core import Backend, Generation, GenerationStats, Samp
 from repertory.models import LoadedModel
 from repertory.types import RepertoryError
 
-HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens")
+HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision")
+
+
+def samples_exactly(kind: str, options: dict[str, Any]) -> bool:
+    """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own float32 module, so
+    that its log-probs need no correction (hf without reduced precision)."""
+    return kind == "hf" and options.get("precision", "float32") == "float32"
 
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:
@@ -58,4 +64,5 @@ __all__ = [
     "SamplingParams",
     "TokenTrie",
     "make_backend",
+    "samples_exactly",
 ]

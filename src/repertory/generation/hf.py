@@ -53,6 +53,7 @@ from repertory.generation.core import (
     stop_token_ids,
 )
 from repertory.models import LoadedModel, kv_bytes_per_token
+from repertory.models.linear import PRECISIONS, free_reduced_copies, sampling_precision
 from repertory.types import RepertoryError
 
 GROW_TOKENS = 128
@@ -94,10 +95,11 @@ class _Layer(DynamicLayer):
         return self.keys, self.values
 
     def _store(self, k: torch.Tensor | None, v: torch.Tensor | None, rows: int, end: int, like: torch.Tensor) -> None:
-        """Room for ``end`` tokens and more; the kept ``_length`` columns of ``k``/``v`` (if any) copied in."""
+        """Room for ``end`` tokens and more; the kept ``_length`` columns of ``k``/``v`` (if any) copied in. The room
+        is not cleared (zeroing it cost 12% of a long rollout): every column is written before it is exposed."""
         room = end + max(GROW_TOKENS, end // 4)
-        self._k = like.new_zeros((rows, like.shape[1], room, like.shape[-1]))
-        self._v = like.new_zeros((rows, like.shape[1], room, like.shape[-1]))
+        self._k = like.new_empty((rows, like.shape[1], room, like.shape[-1]))
+        self._v = like.new_empty((rows, like.shape[1], room, like.shape[-1]))
         if k is not None:
             self._k[..., : self._length, :] = k[..., : self._length, :]
             self._v[..., : self._length, :] = v[..., : self._length, :]
@@ -123,10 +125,13 @@ class _Layer(DynamicLayer):
         rows = ka.shape[0] + kb.shape[0]
         self._length = 0
         self._store(None, None, rows, width, ka)
-        self._k[: ka.shape[0], :, width - ka.shape[2] : width] = ka
-        self._v[: ka.shape[0], :, width - va.shape[2] : width] = va
-        self._k[ka.shape[0] :, :, width - kb.shape[2] : width] = kb
-        self._v[ka.shape[0] :, :, width - vb.shape[2] : width] = vb
+        for part, (k, v) in zip((slice(0, ka.shape[0]), slice(ka.shape[0], rows)), ((ka, va), (kb, vb))):
+            pad = width - k.shape[2]
+            # padding is masked out, but a masked score still multiplies its value: it must be finite
+            self._k[part, :, :pad] = 0
+            self._v[part, :, :pad] = 0
+            self._k[part, :, pad:width] = k
+            self._v[part, :, pad:width] = v
         self._length = width
         self._expose()
 
@@ -166,10 +171,13 @@ class HFBackend(TokenizedChoices):
         kv_memory_mb: float | None = None,
         max_batch: int | None = None,
         prefix_cache_tokens: int | None = None,
+        precision: str = "float32",
     ):
         """``kv_memory_mb`` bounds keys and values in flight plus kept prefixes (default: 2 GiB on a CPU, a
         quarter of a GPU); ``max_batch`` caps the rows in flight besides; ``prefix_cache_tokens`` caps the kept
-        prefixes below what the budget leaves them (0: keep none)."""
+        prefixes below what the budget leaves them (0: keep none); ``precision`` "bfloat16" runs the linear
+        layers of a float32 CPU model through bfloat16 weight copies (faster, not exact; see
+        :mod:`repertory.models.linear`)."""
         self.loaded = loaded
         self.model = loaded.model
         self.peft = loaded.peft
@@ -178,6 +186,10 @@ class HFBackend(TokenizedChoices):
         memory_mb = kv_memory_mb if kv_memory_mb is not None else _default_kv_memory_mb(loaded.device)
         if memory_mb <= 0 or (max_batch is not None and max_batch < 1):
             raise RepertoryError("rollout.engine_args: kv_memory_mb must be positive and max_batch at least 1")
+        if precision not in PRECISIONS:
+            known = ", ".join(PRECISIONS)
+            raise RepertoryError(f"rollout.engine_args: precision must be one of {known}, not {precision!r}")
+        self.precision = precision
         self.budget_tokens = int(memory_mb * 2**20) // self.token_bytes
         self.max_batch = max_batch
         self.prefix_cache_tokens = self.budget_tokens if prefix_cache_tokens is None else prefix_cache_tokens
@@ -349,8 +361,9 @@ class HFBackend(TokenizedChoices):
         """Nothing to free: the backend runs the learner's own module."""
 
     def close(self) -> None:
-        """Release the kept prefixes (the weights belong to the caller)."""
+        """Release the kept prefixes and any reduced-precision weight copies (the weights belong to the caller)."""
         self.reset_cache()
+        free_reduced_copies(self.model)
 
     def _forced(self, node: TokenTrie | None, budget: int) -> list[int]:
         """The tokens a constraint leaves no choice about after ``node`` (never a stop token, within budget)."""
@@ -377,14 +390,15 @@ class HFBackend(TokenizedChoices):
         context = mask.sum(1) - new
         attended = new * context + new * (new + 1) // 2
         self.stats.record_forward(len(input_ids), *torch.stack([new.sum(), context.sum(), attended.sum()]).tolist())
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{self._cache_kwarg: cache},
-        )
+        with sampling_precision(self.precision):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{self._cache_kwarg: cache},
+            )
         new_cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         return output.logits[:, -keep:, :].float(), new_cache
 

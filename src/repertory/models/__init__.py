@@ -25,6 +25,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from repertory.models.attention import ATTENTION
+from repertory.models.linear import use_fast_linears
 from repertory.types import RepertoryError
 
 # transformers warns about its own deprecated attribute whenever peft wraps or merges a model (LoRA, exports,
@@ -163,6 +164,7 @@ def load_model(spec: str = EMBEDDED, device: str | None = None) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype_for(target), attn_implementation=ATTENTION)
     model = model.to(target)
     model.eval()
+    use_fast_linears(model)
     if tokenizer.chat_template is None:
         raise RepertoryError(f"--model {spec}: the tokenizer has no chat template")
     return LoadedModel(model, tokenizer, EMBEDDED if spec == EMBEDDED else str(path))
@@ -201,4 +203,5 @@ def tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
     model.eval()
+    use_fast_linears(model)
     return LoadedModel(model, tokenizer, f"tiny-{layers}x{hidden}")

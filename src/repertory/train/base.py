@@ -28,7 +28,7 @@ from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels, make
 from repertory.eval import DISCOUNT, evaluate, judged_lines, team_lines
-from repertory.generation import SamplingParams, make_backend
+from repertory.generation import SamplingParams, make_backend, samples_exactly
 from repertory.judges import make_judge
 from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
@@ -64,7 +64,7 @@ class Trainer:
             needs_critic=self.needs_critic(),
             temperature=config.rollout.temperature,
             seed=config.seed,
-            sampler=config.rollout.backend,
+            exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args),
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)

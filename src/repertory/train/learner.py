@@ -35,6 +35,7 @@ from repertory.types import derive
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REFERENCE_ADAPTER = "reference"
 
+
 @dataclass
 class _Scored:
     """Per-sample tensors from one forward pass over a group of sequences."""
@@ -56,11 +57,12 @@ class Learner:
         needs_critic: bool,
         temperature: float = 1.0,
         seed: int = 0,
-        sampler: str = "hf",
+        exact_sampler: bool = True,
     ):
-        """``sampler`` names the generation backend whose log-probs the batches carry (``rollout.backend``)."""
+        """``exact_sampler``: the batches' log-probs come from this very float32 module (the hf backend without
+        reduced precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is tis."""
         self.algo, self.critic_config, self.seed = algo, critic, seed
-        auto = "none" if sampler == "hf" else "tis"
+        auto = "none" if exact_sampler else "tis"
         self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
         self.policy_loss = losses.get_policy_loss(algo.policy_loss)
         self.temperature = temperature
