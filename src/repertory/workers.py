@@ -92,6 +92,7 @@ class RolloutWorker:
         if source.lora is not None:
             with torch.random.fork_rng(devices=[]):
                 peft = get_peft_model(model, copy.deepcopy(source.lora))
+            use_fast_linears(peft)
             set_peft_model_state_dict(peft, source.live, adapter_name=LIVE_ADAPTER)
         else:
             reference = LoadedModel(copy.deepcopy(model), source.tokenizer, source.name)

@@ -15,6 +15,7 @@ from torch import nn
 
 from repertory.algos import offline
 from repertory.config import LoraConfig, QConfig
+from repertory.models.linear import use_fast_linears
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt, token_batches
 from repertory.stats import pearson, rank_correlation
 from repertory.store.turns import LoggedTurn
@@ -39,7 +40,9 @@ def with_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
     config = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
     )
-    return get_peft_model(model, config)
+    peft = get_peft_model(model, config)
+    use_fast_linears(peft)  # the adapters' own layers
+    return peft
 
 
 class LastTokenFeatures(nn.Module):
@@ -55,6 +58,7 @@ class LastTokenFeatures(nn.Module):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive(seed, "lora", name))
                 self.peft = get_peft_model(backbone, config)
+            use_fast_linears(self.peft)
         self.decoder = backbone.get_decoder()
         self.size = backbone.config.hidden_size
         self.device = next(backbone.parameters()).device
