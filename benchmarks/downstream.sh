@@ -14,7 +14,7 @@ run() {  # name, then the command
   shift
   /usr/bin/time -f "$name wall_s=%e peak_rss_mb=%M" -o "$OUT/$name.time" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
   echo "exit=$?" >>"$OUT/$name.time"
-  awk '{ if ($2 ~ /peak_rss_mb=/) { split($2, a, "="); sub(/peak_rss_mb=[0-9]+/, "peak_rss_mb=" int(a[2] / 1024)) } print }' \
+  awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^peak_rss_mb=/) { split($i, a, "="); $i = "peak_rss_mb=" int(a[2] / 1024) } print }' \
     "$OUT/$name.time" | tr '\n' ' ' | tee -a "$OUT/summary.txt"
   echo | tee -a "$OUT/summary.txt"
 }
