@@ -29,9 +29,12 @@ PRECISIONS = ("float32", "bfloat16")
 _SAMPLING_DTYPE: ContextVar[torch.dtype | None] = ContextVar("repertory_sampling_dtype", default=None)
 
 
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def onednn_available() -> bool:
     """Whether this PyTorch build can run linear products through oneDNN on the CPU."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return _ONEDNN
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -64,7 +67,7 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear``, through oneDNN for float32 on a CPU (differentiable)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not onednn_available():
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _ONEDNN:
         return torch.nn.functional.linear(x, weight, bias)
     tracked = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and tracked:
@@ -98,12 +101,12 @@ def use_fast_linears(model: torch.nn.Module) -> int:
     """Turn every ``nn.Linear`` of a float32 CPU ``model`` into a :class:`FastLinear` in place (parameters
     untouched); returns how many. Models on other devices or dtypes, or builds without oneDNN, are left as
     they are."""
-    if not onednn_available():
+    if not _ONEDNN:
         return 0
     count = 0
     for module in model.modules():
-        cpu_float32 = isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
-        if type(module) is torch.nn.Linear and cpu_float32 and module.weight.dtype == torch.float32:
+        weight = getattr(module, "weight", None)
+        if type(module) is torch.nn.Linear and weight.device.type == "cpu" and weight.dtype == torch.float32:
             module.__class__ = FastLinear
             count += 1
     return count
@@ -115,7 +118,7 @@ def sampled_weight_bytes(model: torch.nn.Module, precision: str = "float32") -> 
     reduced = getattr(torch, precision).itemsize
     sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     for module in model.modules():
-        if isinstance(module, FastLinear) and precision != "float32":
+        if isinstance(module, FastLinear):
             sizes[id(module.weight)] = module.weight.numel() * reduced
     return sum(sizes.values())
 
