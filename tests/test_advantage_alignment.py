@@ -17,7 +17,7 @@ from repertory.cli import main
 from repertory.config import load_config
 from repertory.experiments import exploit_gain_loss
 from repertory.models import load_tokenizer, tiny_model
-from repertory.runs import complete_checkpoints
+from repertory.runs import RunDir
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
 from repertory.types import RepertoryError
@@ -292,8 +292,8 @@ def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, 
 
     assert lines(interrupted.run_dir) == lines(straight.run_dir)
     assert lines(straight.run_dir)[2]["pool/snapshots"] == 3
-    a = load_file(str(complete_checkpoints(straight.run_dir)[-1] / "policy" / "adapter_model.safetensors"))
-    b = load_file(str(complete_checkpoints(interrupted.run_dir)[-1] / "policy" / "adapter_model.safetensors"))
+    a = load_file(str(RunDir(straight.run_dir).complete_checkpoints()[-1] / "policy" / "adapter_model.safetensors"))
+    b = load_file(str(RunDir(interrupted.run_dir).complete_checkpoints()[-1] / "policy" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
@@ -364,7 +364,7 @@ def test_exploit_command_finds_the_always_cooperate_bot_exploitable(tmp_path, ti
         (["eval", "exploit", "--env", "ipd"], "exploit needs --env and --victim"),
         (["eval", "exploit", "--env", "ipd", "--victim", "nobody"], "unknown opponent 'nobody'"),
         (["eval", "exploit", "--env", "ipd", "--victim", "always-defect", "--seeds", "0"], "at least 1"),
-        (["eval", "base", "--env", "ipd", "--victim", "always-defect"], "only for `repertory eval exploit"),
+        (["eval", "base", "--env", "ipd", "--victim", "always-defect"], "No such option: --victim"),
     ],
 )
 def test_exploit_command_errors(argv, message, capsys):

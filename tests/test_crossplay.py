@@ -17,17 +17,15 @@ from conftest import run_cli as run
 from repertory import cli
 from repertory.agents.resolve import make_agent
 from repertory.envs import env_class, env_names
-from repertory.eval import summarize
+from repertory.envs.ipd import STRATEGIES, fit_strategy, moves_of
 from repertory.eval.crossplay import (
-    IPD_STRATEGIES,
     CrossPlay,
     bradley_terry,
     check_sides,
     crossplay,
     crossplay_report,
-    fit_ipd_strategy,
-    ipd_moves,
 )
+from repertory.eval.scores import summarize
 from repertory.rollout import agent_seats
 from repertory.stats import mean_se
 from repertory.types import Episode, Kernel, RepertoryError, Result, RoleResult, Seat
@@ -236,7 +234,7 @@ def test_split_no_comm_reports_split_efficiency_and_trust_and_split_the_agents_o
 
 def test_strategy_agreement_on_a_hand_built_history():
     # algorithms.md 8.4 M1: A = CCDCC against B = CDDCC.
-    fit = fit_ipd_strategy([("AABAA", "ABBAA")])
+    fit = fit_strategy([("AABAA", "ABBAA")])
     assert fit.moves == 5
     assert fit.agreement == pytest.approx(
         {
@@ -250,7 +248,7 @@ def test_strategy_agreement_on_a_hand_built_history():
     )
     assert fit.closest == "win-stay-lose-shift"
     # B's side of the same game.
-    fit = fit_ipd_strategy([("ABBAA", "AABAA")])
+    fit = fit_strategy([("ABBAA", "AABAA")])
     assert fit.agreement == pytest.approx(
         {
             "always-cooperate": 0.6,
@@ -262,12 +260,12 @@ def test_strategy_agreement_on_a_hand_built_history():
         }
     )
     # Pooled over games: 3 of 4 moves of the second game copy the partner.
-    pooled = fit_ipd_strategy([("AABAA", "ABBAA"), ("BABA", "ABAA")])
+    pooled = fit_strategy([("AABAA", "ABBAA"), ("BABA", "ABAA")])
     assert pooled.moves == 9 and pooled.agreement["tit-for-tat"] == pytest.approx((4 + 3) / 9)
 
 
 def test_strategy_ties_go_to_the_simplest_strategy():
-    assert list(IPD_STRATEGIES) == [
+    assert list(STRATEGIES) == [
         "always-cooperate",
         "always-defect",
         "tit-for-tat",
@@ -275,7 +273,7 @@ def test_strategy_ties_go_to_the_simplest_strategy():
         "win-stay-lose-shift",
         "grim-trigger",
     ]
-    cooperative = fit_ipd_strategy([("AAAA", "AAAA")])
+    cooperative = fit_strategy([("AAAA", "AAAA")])
     assert {n for n, v in cooperative.agreement.items() if v == 1.0} == {
         "always-cooperate",
         "tit-for-tat",
@@ -283,15 +281,15 @@ def test_strategy_ties_go_to_the_simplest_strategy():
         "grim-trigger",
     }
     assert cooperative.closest == "always-cooperate"
-    assert fit_ipd_strategy([("BBB", "BBB")]).closest == "always-defect"
+    assert fit_strategy([("BBB", "BBB")]).closest == "always-defect"
     with pytest.raises(ValueError, match="no IPD moves"):
-        fit_ipd_strategy([])
+        fit_strategy([])
 
 
 def test_moves_are_read_from_the_turns(play_episodes):
     [ep] = play_episodes("ipd", ["tit-for-tat", "always-defect"])
-    assert ipd_moves(ep, 0) == ("ABBBBBBBBB", "BBBBBBBBBB")
-    assert ipd_moves(ep, 1) == ("BBBBBBBBBB", "ABBBBBBBBB")
+    assert moves_of(ep, 0) == ("ABBBBBBBBB", "BBBBBBBBBB")
+    assert moves_of(ep, 1) == ("BBBBBBBBBB", "ABBBBBBBBB")
 
 
 def test_every_ipd_bot_is_classified_as_itself():
@@ -390,9 +388,11 @@ def test_eval_crossplay_json_with_out_keeps_stdout_json(capsys, tmp_path):
         (["eval", "crossplay", "-e", "ipd", "-a", "tit-for-tat,"], "--agents has an empty name"),
         (["eval", "crossplay", "-e", "ipd", "-a", "tit-for-tat"], "at least two agents"),
         (["eval", "crossplay", "-e", "ipd", "-a", LINE_UP, "-n", "0"], "--episodes must be at least 1"),
-        (["eval", "crossplay", "-e", "ipd", "-a", LINE_UP, "--vs", "random"], "--vs is for one agent"),
-        (["eval", "base", "-e", "ipd", "--agents", LINE_UP], "--agents is only for `repertory eval crossplay"),
-        (["eval", "runs/x", "--out", "figs"], "--out is only for `repertory eval crossplay"),
+        (["eval", "crossplay", "-e", "ipd", "-a", LINE_UP, "--vs", "random"], "No such option: --vs"),
+        (["eval", "base", "-e", "ipd", "--agents", LINE_UP], "No such option: --agents"),
+        (["eval", "policy", "base", "--victim", "random"], "No such option: --victim"),
+        (["eval", "--env", "ipd", "base", "-n", "0"], "--episodes must be at least 1"),  # options may come first
+        (["eval", "runs/x", "--out", "figs"], "No such option: --out"),
     ],
 )
 def test_eval_crossplay_errors_are_one_line_with_status_2(capsys, args, message):

@@ -13,7 +13,7 @@ from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory.models import load_tokenizer
-from repertory.runs import complete_checkpoints
+from repertory.runs import RunDir
 from repertory.store import read_episodes
 from repertory.train import TIMING_PREFIXES
 
@@ -60,7 +60,7 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
         for key in x:
             if not key.startswith(TIMING_PREFIXES):
                 assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
-    files = [complete_checkpoints(run)[-1] / "policy" / "adapter_model.safetensors" for run in (one, two)]
+    files = [RunDir(run).complete_checkpoints()[-1] / "policy" / "adapter_model.safetensors" for run in (one, two)]
     adapters = [load_file(str(f)) for f in files]
     assert adapters[0].keys() == adapters[1].keys()
     moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)

@@ -381,8 +381,8 @@ def _needless_retry(env: type[Env], n: int = 100) -> dict[str, list[Kernel]]:
     [(_first_draws, "have the same content"), (_needless_retry, "took retry 1, but draw 0 was already new")],
 )
 def test_kernel_seeds_are_rederived_without_trusting_generate_kernels(monkeypatch, generator, detail):
-    monkeypatch.setattr(checks, "generate_kernels", generator)
-    monkeypatch.setattr(checks, "shipped_file", lambda name, split: Path("/nonexistent") / f"{split}.jsonl")
+    monkeypatch.setattr(checks.kernels, "generate_kernels", generator)
+    monkeypatch.setattr(checks.kernels, "shipped_file", lambda name, split: Path("/nonexistent") / f"{split}.jsonl")
     with pytest.raises(EnvCheckError, match=detail):
         check_kernels(Ultimatum)
 

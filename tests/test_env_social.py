@@ -13,7 +13,8 @@ from repertory.envs import load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.envs.fuzz import TextFuzzer
 from repertory.envs.social import DIMENSIONS, Social, _kernel_data, catalogue, outcome_of, overall_of
-from repertory.eval import evaluate, judged_stats, rollout_metrics
+from repertory.eval import evaluate
+from repertory.eval.scores import judged_stats, rollout_metrics
 from repertory.rollout import EpisodeSpec, run_episodes
 from repertory.types import Kernel, RepertoryError
 

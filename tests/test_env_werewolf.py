@@ -15,7 +15,8 @@ from repertory.envs import env_class, load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.envs.fuzz import TextFuzzer
 from repertory.envs.werewolf import Werewolf
-from repertory.eval import concurrent_games, rollout_metrics
+from repertory.eval import concurrent_games
+from repertory.eval.scores import rollout_metrics
 from repertory.rollout import EpisodeSpec, agent_seats, run_episodes, schedule
 from repertory.train.batch import collect
 from repertory.types import Kernel, derive

@@ -225,7 +225,7 @@ def test_omar_trains_on_social_with_a_hybrid_judge_over_http_and_skips_failed_ep
         lines = []
         trainer.fit(on_line=lines.append)
     (line,) = lines
-    episodes = read_episodes(trainer.run_dir / "episodes" / "iter-000000.parquet")
+    episodes = read_episodes(trainer.run_dir.episodes(0))
     failed = [ep for ep in episodes if ep.judge_failed]
     assert len(episodes) == 4 and len(failed) == 1 and line["judge_failed"] == 1.0
     assert all("judge" in ep.result.info for ep in episodes if not ep.judge_failed)

@@ -118,3 +118,37 @@ def test_no_module_takes_part_in_an_import_cycle():
     graph = grimp.build_graph("repertory")
     assert len(graph.modules) > 50
     assert _cycles(graph) == []
+
+
+def test_modules_and_functions_stay_readable():
+    # docs/design.md: no module over 600 lines, no function over 80 (split by responsibility instead).
+    too_long = []
+    for path in sorted((SOURCE / "repertory").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(SOURCE))
+        if len(text.splitlines()) > 600:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                too_long.append(f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
+
+
+SERVE_LIGHT = """
+import sys
+from repertory.serve import ServeOptions
+from repertory.serve.protocol import ChatRequest, chat_input
+try:
+    ServeOptions(host="0.0.0.0")
+except Exception as error:
+    print(error)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "fastapi", "uvicorn"))
+assert not heavy, heavy[:5]
+"""
+
+
+def test_serve_checks_its_options_before_loading_torch_or_fastapi():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", SERVE_LIGHT], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "binding 0.0.0.0 exposes the model beyond this machine" in run.stdout

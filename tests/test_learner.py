@@ -73,7 +73,7 @@ def test_pad_equal_to_eos_keeps_the_sampled_eos_as_a_loss_token(tokenizer, episo
     learner.score(batch)
     for s in eos_samples:
         index = batch.samples.index(s)
-        assert batch.logp_old[index].shape[0] == len(s.response_ids)
+        assert batch.experience[index].logp_old.shape[0] == len(s.response_ids)
 
 
 def test_truncated_turns_can_be_excluded():
@@ -100,7 +100,7 @@ def test_turns_of_a_seat_pack_into_one_sequence(episodes):
 
 def _worst_logp_gap(batch) -> float:
     return max(
-        float((batch.logp_old[i] - torch.tensor(s.logp_sample)).abs().max())
+        float((batch.experience[i].logp_old - torch.tensor(s.logp_sample)).abs().max())
         for i, s in enumerate(batch.samples)
         if s.trained
     )
@@ -113,7 +113,7 @@ def test_learner_log_probs_match_the_sampler(tokenizer, episodes):
     worst = _worst_logp_gap(batch)
     assert worst <= 1e-3
     # the reference (adapters off) equals the policy before any update: LoRA starts as the identity
-    assert all(torch.allclose(batch.logp_old[i], batch.logp_ref[i], atol=1e-6) for i in batch.logp_old)
+    assert all(torch.allclose(x.logp_old, x.logp_ref, atol=1e-6) for x in batch.experience.values())
 
 
 def test_a_wrong_temperature_breaks_log_prob_agreement(tokenizer, episodes):
@@ -132,13 +132,14 @@ def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes)
         learner.score(batch)
         advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
         returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
-        stats = learner.update(batch, advantages, returns, iteration=0)
+        batch.assign(advantages, returns)
+        stats = learner.update(batch, iteration=0)
         weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
         results[packing] = (batch, stats, weights)
     (b1, s1, w1), (b2, s2, w2) = results[True], results[False]
-    for i in b1.logp_old:
-        assert torch.allclose(b1.logp_old[i], b2.logp_old[i], atol=1e-5)
-        assert torch.allclose(b1.values[i], b2.values[i], atol=1e-5)
+    for i in b1.experience:
+        assert torch.allclose(b1.experience[i].logp_old, b2.experience[i].logp_old, atol=1e-5)
+        assert torch.allclose(b1.experience[i].values, b2.experience[i].values, atol=1e-5)
     assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
     assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
     assert torch.allclose(w1, w2, atol=1e-5)
@@ -186,15 +187,16 @@ def test_candidates_sharing_one_prompt_give_the_same_log_probs_values_and_update
         learner.score(batch)
         advantages = {i: torch.full((s.n_tokens,), 0.2 * (i % 4 - 1.5)) for i, s in enumerate(samples)}
         returns = {i: torch.full((s.n_tokens,), 0.1 * (i % 3)) for i, s in enumerate(samples)}
-        stats = learner.update(batch, advantages, returns, iteration=0)
+        batch.assign(advantages, returns)
+        stats = learner.update(batch, iteration=0)
         weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
         results[name] = (batch, stats, weights)
     (b1, s1, w1), (b2, s2, w2) = results["separate"], results["tree"]
-    assert sorted(b2.logp_old) == list(range(9))
+    assert sorted(b2.experience) == list(range(9))
     for i in range(9):
-        assert torch.allclose(b1.logp_old[i], b2.logp_old[i], atol=1e-5)
-        assert torch.allclose(b1.logp_ref[i], b2.logp_ref[i], atol=1e-5)
-        assert torch.allclose(b1.values[i], b2.values[i], atol=1e-5)
+        assert torch.allclose(b1.experience[i].logp_old, b2.experience[i].logp_old, atol=1e-5)
+        assert torch.allclose(b1.experience[i].logp_ref, b2.experience[i].logp_ref, atol=1e-5)
+        assert torch.allclose(b1.experience[i].values, b2.experience[i].values, atol=1e-5)
     assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
     assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
     assert torch.allclose(w1, w2, atol=1e-5)
@@ -219,7 +221,8 @@ def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
             return _step(*args, **kwargs)
 
         learner.optimizer.step = capture
-        learner.update(batch, advantages, returns, iteration=0)
+        batch.assign(advantages, returns)
+        learner.update(batch, iteration=0)
         assert len(learner._micro_batches(batch.sequences)) == (len(batch.sequences) if budget == 1 else 1)
         grads[budget] = captured[0]
     a, b = grads[1], grads[1 << 20]
@@ -233,7 +236,8 @@ def test_first_minibatch_ratio_is_one_and_no_token_is_clipped(tokenizer, episode
     batch = collect(episodes)
     learner.score(batch)
     advantages = {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}
-    stats = learner.update(batch, advantages, {i: torch.zeros(len(a)) for i, a in advantages.items()}, 0)
+    batch.assign(advantages, {i: torch.zeros(len(a)) for i, a in advantages.items()})
+    stats = learner.update(batch, 0)
     assert stats["clip_frac"] == 0.0
     assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
 
@@ -244,19 +248,22 @@ def test_a_step_that_cannot_move_the_policy_is_skipped(tokenizer, episodes):
     batch = collect(episodes)
     learner.score(batch)
     zero = {i: torch.zeros(s.n_tokens) for i, s in enumerate(batch.samples)}
-    stats = learner.update(batch, zero, None, iteration=0)
+    batch.assign(zero)
+    stats = learner.update(batch, iteration=0)
     # zero advantages at pi = reference: the true gradient is 0, and no step (AdamW would amplify float noise)
     assert stats["skipped_frac"] == 1.0 and stats["loss/policy"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(initial, learner.trainable_parameters()))
     one = {i: torch.where(torch.arange(s.n_tokens) == 0, 1.0, 0.0) for i, s in enumerate(batch.samples)}
-    stats = learner.update(batch, one, None, iteration=1)
+    batch.assign(one)
+    stats = learner.update(batch, iteration=1)
     assert stats["skipped_frac"] == 0.0
     moved = [p.detach().clone() for p in learner.trainable_parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(initial, moved))
     # away from the reference, zero advantages still leave the KL term's pull: that step is taken
     again = collect(episodes)
     learner.score(again)
-    stats = learner.update(again, zero, None, iteration=2)
+    again.assign(zero)
+    stats = learner.update(again, iteration=2)
     assert stats["skipped_frac"] == 0.0 and stats["kl"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(moved, learner.trainable_parameters()))
 
@@ -265,12 +272,14 @@ def test_full_fine_tuning_keeps_a_frozen_reference(tokenizer, episodes):
     learner = _learner(tokenizer, lora=False, critic=False, mini_batches=1, lr=1e-2)
     batch = collect(episodes)
     learner.score(batch)
-    learner.update(batch, {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}, None, 0)
+    batch.assign({i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)})
+    learner.update(batch, 0)
     after = collect(episodes)
     learner.score(after)
-    moved = max(float((after.logp_old[i] - batch.logp_old[i]).abs().max()) for i in batch.logp_old)
+    before, now = batch.experience, after.experience
+    moved = max(float((now[i].logp_old - before[i].logp_old).abs().max()) for i in before)
     assert moved > 1e-3
-    assert all(torch.allclose(after.logp_ref[i], batch.logp_ref[i], atol=1e-6) for i in batch.logp_ref)
+    assert all(torch.allclose(now[i].logp_ref, before[i].logp_ref, atol=1e-6) for i in before)
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -285,7 +294,8 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tokenizer, episode
     batch = collect(episodes)
     learner.score(batch)
     adv = {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}
-    learner.update(batch, adv, {i: torch.ones(len(v)) for i, v in adv.items()}, 0)
+    batch.assign(adv, {i: torch.ones(len(v)) for i, v in adv.items()})
+    learner.update(batch, 0)
     learner.save(tmp_path / "ckpt")
     restored = make()
     restored.load(tmp_path / "ckpt")
@@ -295,7 +305,8 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tokenizer, episode
     for each in (learner, restored):
         again = collect(episodes)
         each.score(again)
-        each.update(again, adv, {i: torch.ones(len(v)) for i, v in adv.items()}, 1)
+        again.assign(adv, {i: torch.ones(len(v)) for i, v in adv.items()})
+        each.update(again, 1)
     for a, b in zip(learner.trainable_parameters(), restored.trainable_parameters()):
         assert torch.equal(a, b)
     assert copy.copy(share) == learner.shared_critic
@@ -321,11 +332,12 @@ def test_attention_without_copied_heads_equals_the_copying_path(tokenizer, episo
         learner.score(batch)
         advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
         returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
-        learner.update(batch, advantages, returns, iteration=0)
+        batch.assign(advantages, returns)
+        learner.update(batch, iteration=0)
         results[attention] = batch, torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
     (ours, w1), (theirs, w2) = results["repertory_gqa_sdpa"], results["sdpa"]
-    assert ours.logp_old and sorted(ours.logp_old) == sorted(theirs.logp_old)
-    for i in ours.logp_old:
-        assert torch.allclose(ours.logp_old[i], theirs.logp_old[i], atol=1e-5)
-        assert torch.allclose(ours.values[i], theirs.values[i], atol=1e-5)
+    assert ours.experience and sorted(ours.experience) == sorted(theirs.experience)
+    for i, mine in ours.experience.items():
+        assert torch.allclose(mine.logp_old, theirs.experience[i].logp_old, atol=1e-5)
+        assert torch.allclose(mine.values, theirs.experience[i].values, atol=1e-5)
     assert torch.allclose(w1, w2, atol=1e-5)

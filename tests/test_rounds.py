@@ -347,6 +347,11 @@ def test_replay_rebuilds_the_state_of_each_logged_turn(play_episodes):
 # Iterative GRPO's improvement step
 
 
+def _advantages(batch):
+    """The advantages a round method assigned to a batch before handing it to the learner, by sample."""
+    return {i: x.advantages for i, x in batch.experience.items()}
+
+
 def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_path, tokenizer, monkeypatch):
     trainer = start_run(_config(tmp_path, "groups", "rollout.max_new_tokens=3"), tiny_model(tokenizer, seed=1))
     turns, episodes = trainer.deploy(0)
@@ -372,7 +377,7 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(
-        trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {"kl": 0.0}
+        trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {"kl": 0.0}
     )
     metrics = igrpo(trainer, 0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
     assert trainer.partner.calls == calls
@@ -423,7 +428,9 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
     monkeypatch.setattr(trainer.q, "score_groups", lambda prompts, groups, micro: [0.7] * sum(map(len, groups)))
     monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
     captured = []
-    monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
+    monkeypatch.setattr(
+        trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {}
+    )
     metrics = igrpo(trainer, 0, turns[:4], by_id, 1)
     # free text from a random model is never a valid IPD action: every candidate is gated to 0, all equal
     assert metrics["igrpo/gated_rate"] == 1.0
@@ -506,7 +513,9 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
             episode = f"{kernel}{k}"
             turns += [LoggedTurn(episode, kernel, t, 1, [1, t], [2, 3], g, g if t == 0 else 0.99) for t in (0, 1)]
     captured = []
-    monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append((batch, adv)) or {})
+    monkeypatch.setattr(
+        trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {}
+    )
     st_grpo(trainer, 0, turns, {}, epochs=2)
     batch, adv = captured[0]
     order = [t.episode_id for convo in conversations(turns).values() for t in convo]

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli, tiny_checkpoint
 from fake_openai import FakeOpenAI
+from pydantic import ValidationError
 
 from repertory.agents import LMOptions, Request
 from repertory.agents.resolve import make_agent
@@ -29,7 +30,9 @@ from repertory.generation import SamplingParams, make_backend
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.remote import RemoteError
-from repertory.serve import SeatPrompt, ServedPolicy, ServeOptions, ServerThread
+from repertory.serve import SeatPrompt, ServeError, ServeOptions
+from repertory.serve.app import ServedPolicy, ServerThread
+from repertory.serve.protocol import ChatInput, ChatRequest, chat_input, validation_message
 from repertory.store.served import ServedLog, read_served
 from repertory.train import start_run
 from repertory.types import Message, RepertoryError
@@ -470,3 +473,64 @@ def test_serve_usage_errors_exit_2_with_one_line(capsys, monkeypatch):
     for args, message in cases:
         code, out, err = run_cli(capsys, *args)
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
+
+
+def test_usage_errors_come_before_the_model_loads(capsys, monkeypatch):
+    import repertory.serve.app as app
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(app, "load_served_policy", no_load)
+    monkeypatch.delenv("REPERTORY_API_KEY", raising=False)
+    for args in (["--host", "0.0.0.0"], ["--port", "-1"], ["--env", "ipd", "--role", "judge"]):
+        code, _, err = run_cli(capsys, "serve", "base", *args)
+        assert code == 2 and "loaded" not in err, (args, err)
+
+
+def _chat(**fields):
+    return ChatRequest.model_validate({"model": "tiny", "messages": HI, **fields})
+
+
+def test_chat_requests_are_validated_without_a_model():
+    limits = ServeOptions(max_messages=4, max_tokens=64, default_max_tokens=16)
+    given = chat_input(_chat(stop="END", max_completion_tokens=8), {"x-conversation-id": "c-1"}, "tiny", limits)
+    assert given == ChatInput([Message("user", HI[0]["content"])], 8, ("END",), "c-1", None)
+    developer = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}]
+    assert chat_input(_chat(messages=developer), {}, "tiny", limits).messages == [Message("system", "be brief")]
+    assert chat_input(_chat(), {}, "tiny", limits).max_tokens == 16  # the server's default
+    refused = {
+        "model_not_found": (_chat(model="gpt-9"), {}),
+        "too_many_messages": (_chat(messages=HI * 5), {}),
+        "max_tokens_too_large": (_chat(max_tokens=65), {}),
+        "invalid_stop": (_chat(stop=["a", ""]), {}),
+        "invalid_conversation_id": (_chat(), {"x-conversation-id": "a b"}),
+    }
+    for code, (chat, headers) in refused.items():
+        with pytest.raises(ServeError) as caught:
+            chat_input(chat, headers, "tiny", limits)
+        assert (caught.value.status, caught.value.code) == (404 if code == "model_not_found" else 422, code)
+    with pytest.raises(ValidationError) as bad:
+        ChatRequest.model_validate({"model": "tiny", "messages": [{"role": "robot", "content": "x"}], "n": 2})
+    assert validation_message(bad.value).startswith("messages[0].role: ") and "(and 1 more)" in validation_message(
+        bad.value
+    )
+
+
+def test_a_seat_prompt_goes_first_unless_the_client_sent_one():
+    limits, seat = ServeOptions(), SeatPrompt("ipd", "Bob")
+    kernel = next(iter(seat.kernels))
+    given = chat_input(_chat(), {"x-repertory-kernel": kernel}, "tiny", limits, seat)
+    system, name, chars = seat.seat(kernel)
+    assert given.messages == [Message("system", system), Message("user", HI[0]["content"])]
+    assert (given.seat_id, given.max_chars, given.kernel_id) == (name, chars, kernel) and name == "Bob"
+    own = [{"role": "system", "content": "you are Bob"}, *HI]
+    assert chat_input(_chat(messages=own), {}, "tiny", limits, seat).seat_id == "Bob"
+    with pytest.raises(ServeError, match="X-Repertory-Kernel") as missing:
+        chat_input(_chat(), {}, "tiny", limits, seat)
+    assert missing.value.code == "missing_kernel"
+    with pytest.raises(ServeError, match="has no kernel") as unknown:
+        chat_input(_chat(), {"x-repertory-kernel": "no-such-kernel"}, "tiny", limits, seat)
+    message = "ipd has no kernel 'no-such-kernel'"
+    error = {"message": message, "type": "invalid_request_error", "code": "unknown_kernel"}
+    assert unknown.value.body() == {"error": error}

@@ -16,7 +16,7 @@ from repertory.experiments import load_suite
 from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.models.checkpoints import load_policy
 from repertory.rollout import run_episodes
-from repertory.runs import complete_checkpoints, resolve_checkpoint
+from repertory.runs import RunDir, resolve_checkpoint
 from repertory.store import read_credit, read_episodes
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
@@ -143,7 +143,7 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     assert "eval/outcome" in lines[0] and "final/outcome" in lines[2]
     # the hf backend samples the learner's own module: the gap is float noise and no correction applies
     assert lines[1]["offpolicy/max_gap"] <= 1e-4 and lines[1]["offpolicy/weight_mean"] == 1.0
-    assert [c.name for c in complete_checkpoints(run_dir)] == ["000002", "000003"]  # keep_checkpoints = 2
+    assert [c.name for c in RunDir(run_dir).complete_checkpoints()] == ["000002", "000003"]  # keep_checkpoints = 2
     assert {p.name for p in (run_dir / "report").iterdir()} >= {"outcome.png", "losses.png", "kl_entropy.png"}
     assert (run_dir / "report" / "index.html").is_file()
     credit = [read_credit(run_dir / "credit" / f"iter-{i:06d}.parquet") for i in range(3)]
@@ -173,7 +173,7 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     resumed.fit()
     assert _comparable(_lines(broken)) == _comparable(lines)
     assert [read_credit(broken / "credit" / f"iter-{i:06d}.parquet") for i in range(3)] == credit
-    a, b = _adapter(complete_checkpoints(run_dir)[-1]), _adapter(complete_checkpoints(broken)[-1])
+    a, b = _adapter(RunDir(run_dir).complete_checkpoints()[-1]), _adapter(RunDir(broken).complete_checkpoints()[-1])
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert not list((broken / "checkpoints").glob(".tmp-*"))
 
@@ -345,7 +345,7 @@ def test_training_against_the_base_model_switches_adapters_off_for_its_seat(tmp_
     # after an update the live policy has moved, while the base seat still samples from the initial weights
     base_turns = [t for ep in episodes for t in ep.turns if not ep.seat(t.seat_id).trainable]
     assert all(t.response_ids for t in base_turns)
-    assert max(float((batch.logp_old[i] - batch.logp_ref[i]).abs().max()) for i in batch.logp_old) > 1e-3
+    assert max(float((x.logp_old - x.logp_ref).abs().max()) for x in batch.experience.values()) > 1e-3
     reference = tiny_model(tokenizer, seed=2)
     prompt, response = base_turns[0].prompt_ids, base_turns[0].response_ids
     with torch.no_grad():
@@ -363,8 +363,8 @@ def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, toke
     episodes = run_episodes(trainer.specs(0))
     batch = collect(episodes)
     trainer.learner.score(batch)
-    for i in batch.logp_ref:
-        batch.logp_ref[i] = batch.logp_old[i] - 0.1  # k3 = exp(-0.1) + 0.1 - 1 per token
+    for scored in batch.experience.values():
+        scored.logp_ref = scored.logp_old - 0.1  # k3 = exp(-0.1) + 0.1 - 1 per token
     captured = {}
     estimator = trainer.estimator
 

@@ -305,7 +305,7 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
     # The learner stack (peft, the trainers) is loaded only by the benchmarks that time it, so the rollout
     # benchmark's process holds what a rollout needs and its numbers measure the engine alone.
-    from repertory.train.batch import collect
+    from repertory.train.batch import Experience, collect
     from repertory.train.learner import Learner
 
     algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
@@ -327,11 +327,13 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
         )
         batch = collect(episodes, packing=packing)
         # the step's inputs, not its cost: log-probs as if recomputed, so only the optimisation step is timed
-        batch.logp_old = {i: torch.tensor(s.logp_sample) for i, s in enumerate(batch.samples) if s.trained}
-        batch.logp_ref = dict(batch.logp_old)
-        advantages = {i: torch.randn(s.n_tokens) for i, s in enumerate(batch.samples) if s.trained}
+        for i, sample in enumerate(batch.samples):
+            if sample.trained:
+                logp = torch.tensor(sample.logp_sample)
+                advantages = torch.randn(sample.n_tokens)
+                batch.experience[i] = Experience(logp, logp, torch.ones_like(logp), advantages=advantages)
         start = time.perf_counter()
-        learner.update(batch, advantages, None, iteration=0)
+        learner.update(batch, iteration=0)
         seconds = time.perf_counter() - start
         tokens = sum(len(seq.input_ids) for seq in batch.sequences)
         key = "packed" if packing else "unpacked"
@@ -392,7 +394,8 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
         learner = Learner(copy.deepcopy(loaded), algo, LoraConfig(), CriticConfig(), needs_critic=False)
         start = time.perf_counter()
         learner.score(batch)
-        learner.update(batch, adv, None, iteration=0)
+        batch.assign(adv)
+        learner.update(batch, iteration=0)
         return time.perf_counter() - start, sum(len(seq.input_ids) for seq in batch.sequences)
 
     step(min(2, len(prompts)), True)  # first-call costs (allocator, autograd, kernels) out of the timings

@@ -15,12 +15,10 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from repertory.algos import EstimatorParams
+from repertory.algos import Aggregation, EstimatorParams
 from repertory.algos.estimators import EMA_UPDATES, GRPO_SCALES
 from repertory.envs import env_class, env_names, is_adapter_name, make
 from repertory.types import RepertoryError
-
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
 class _Section(BaseModel):
@@ -254,7 +252,9 @@ class RoundsConfig(_Section):
     )
     gamma: float = Field(0.95, ge=0, le=1, description="Discount per agent turn of logged returns G_t.")
     logs: str | None = Field(
-        None, description="Round 0 learns from these logged turns (Parquet, see the README) instead of deploying."
+        None,
+        description="Round 0 learns from these logged turns (Parquet; docs/cli.md, Bring your own logs) instead of "
+        "deploying.",
     )
     candidates: int = Field(8, ge=2, description="igrpo: candidates sampled per logged state (the GRPO group).")
     states_per_step: int = Field(32, ge=1, description="igrpo: logged states per optimiser step.")
@@ -336,7 +336,7 @@ class WandbConfig(_Section):
 class TrainConfig(_Section):
     """Everything a training run needs. Every field has a default; a recipe overrides some."""
 
-    name: str | None = Field(None, description="Run name; default: <estimator>-<env>-<timestamp>.")
+    name: str | None = Field(None, description="Run name; default: <method>-<env>-<timestamp>.")
     output_dir: str = Field("runs", description="Where run directories are created.")
     seed: int = Field(0, ge=0, description="Master seed of kernels, sampling and mini-batch order.")
     iterations: int = Field(8, ge=1, description="Rollout + update iterations.")
@@ -361,6 +361,12 @@ class TrainConfig(_Section):
         "tensorboard (RUN/tensorboard), wandb (see the wandb section).",
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @property
+    def method_name(self) -> str:
+        """What trains the policy: the round method of ``trainer: rounds``, else the estimator (the run's name,
+        the CLI's and the report's label)."""
+        return self.rounds.method if self.trainer == "rounds" else self.algo.estimator
 
     @model_validator(mode="after")
     def _judge_when_needed(self) -> TrainConfig:
@@ -405,6 +411,10 @@ class SuiteConfig(_Section):
         """The exported warm-started policy every run of ``env`` starts from."""
         return Path(self.output_dir) / f"warm-{env}-model"
 
+    def warm_run(self, env: str) -> Path:
+        """The run directory of the warm start of ``env``."""
+        return Path(self.output_dir) / f"warm-{env}"
+
     def warm_overrides(self, env: str) -> list[str]:
         """The warm-start run of ``env``: one mt-sft round on every demonstration, then a held-out evaluation."""
         assert self.warm_start is not None
@@ -418,7 +428,7 @@ class SuiteConfig(_Section):
             f"rounds.epochs={self.warm_start.epochs}",
             f"algo.lr={self.warm_start.lr}",
             f"output_dir={self.output_dir}",
-            f"name=warm-{env}",
+            f"name={self.warm_run(env).name}",
         ]
 
 

@@ -19,7 +19,7 @@ from repertory.models import LoadedModel
 from repertory.models.checkpoints import export_policy
 from repertory.report import ResultsTable, results_table
 from repertory.rollout import run_episodes, schedule
-from repertory.runs import is_run_or_checkpoint
+from repertory.runs import RunDir, is_run_or_checkpoint
 from repertory.stats import mean_se
 from repertory.store import write_episodes
 from repertory.train import Trainer, check_names, resume_run, start_run
@@ -88,14 +88,14 @@ def warm_start(
         bots = [make_agent(config.rollout.opponent, cls) for _ in cls.roles]
         demos.parent.mkdir(parents=True, exist_ok=True)
         write_episodes(demos, run_episodes(schedule(env, bots, suite.warm_start.episodes, config.seed, "train")))
-    run_dir = Path(suite.output_dir) / f"warm-{env}"
+    run_dir = RunDir(suite.warm_run(env))
     model = loaded() if loaded is not None else None
-    trainer = resume_run(run_dir, loaded=model) if (run_dir / "config.yaml").is_file() else start_run(config, model)
+    trainer = resume_run(run_dir, loaded=model) if run_dir.is_run() else start_run(config, model)
     if on_run is not None:
         on_run(run_dir.name, trainer)
     if trainer.iteration < trainer.config.iterations:
         trainer.fit(on_line)
-    return export_policy(run_dir, model_dir, config.model.device or "cpu")
+    return export_policy(run_dir.root, model_dir, config.model.device or "cpu")
 
 
 def run_suite(
@@ -109,14 +109,14 @@ def run_suite(
     runs = []
     warmed: set[str] = set()
     for name, overrides in suite_runs(suite):
-        run_dir = Path(suite.output_dir) / name
+        run_dir = RunDir(Path(suite.output_dir) / name)
         env = load_config(suite.recipe, overrides).rollout.env
         if suite.warm_start is not None and env not in warmed:
             warm_start(suite, env, loaded, on_run, on_line)
             warmed.add(env)
         # Warm-started runs load their environment's exported policy, not the caller's model.
         model = loaded() if loaded is not None and suite.warm_start is None else None
-        if (run_dir / "config.yaml").is_file():
+        if run_dir.is_run():
             trainer = resume_run(run_dir, loaded=model)
         else:
             trainer = start_run(load_config(suite.recipe, overrides), model)

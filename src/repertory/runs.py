@@ -1,11 +1,13 @@
-"""The run directory: its name, its checkpoints, and what resuming keeps.
+"""The run directory: every path in it, its name, its checkpoints, and what resuming keeps.
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per iteration),
 ``episodes/iter-K.parquet``, ``credit/iter-K.parquet`` (each trained turn's advantage and return),
-``checkpoints/NNNNNN/`` and ``report/`` (figures and the self-contained ``index.html``). A checkpoint directory
-is written under a temporary name, fsynced, marked ``COMPLETE`` and renamed, so a run killed at any moment
-resumes from its newest complete checkpoint; :func:`truncate_after` drops what an interrupted iteration wrote
-after it.
+``rounds/turns-K.parquet`` (a deployment round's logged turns), ``snapshots/K.safetensors`` (the opponent pool),
+``checkpoints/NNNNNN/``, ``report/`` (figures and the self-contained ``index.html``), ``served/`` (conversations
+logged by ``repertory serve``) and the trackers' files (``tensorboard/``, ``wandb/``, ``wandb-run-id``).
+:class:`RunDir` is the one place that spells these paths. A checkpoint directory is written under a temporary
+name, fsynced, marked ``COMPLETE`` and renamed, so a run killed at any moment resumes from its newest complete
+checkpoint; :meth:`RunDir.truncate_after` drops what an interrupted iteration wrote after it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from repertory.types import RepertoryError
 
 CHECKPOINT = re.compile(r"^\d{6}$")
 COMPLETE = "COMPLETE"
+ITERATION_FOLDERS = ("episodes", "credit")  # one iter-K.parquet per iteration; resuming drops the later ones
 
 
 def _fsync_tree(root: Path) -> None:
@@ -32,28 +36,186 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories that were completely written, oldest first."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if CHECKPOINT.match(p.name) and (p / COMPLETE).is_file())
+def _numbered(folder: Path, pattern: str, prefix: str) -> dict[int, Path]:
+    """The files of ``folder`` matching ``pattern`` by the number after ``prefix`` in their stem."""
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in folder.glob(pattern):
+        number = path.stem.removeprefix(prefix)
+        if number.isdigit():
+            out[int(number)] = path
+    return dict(sorted(out.items()))
 
 
-def new_run_dir(config: TrainConfig) -> Path:
-    """A fresh run directory under ``output_dir`` (the name, or <estimator>-<env>-<timestamp>)."""
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of one run directory (see the module docstring); it may not exist yet."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]):
+        object.__setattr__(self, "root", Path(root))
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def __truediv__(self, name: str | os.PathLike[str]) -> Path:
+        """A path inside the run that this class does not name (a user's own files); repertory's own paths
+        come from the properties and methods below."""
+        return self.root / name
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @classmethod
+    def existing(cls, root: str | os.PathLike[str]) -> RunDir:
+        """The run directory at ``root``; a one-line error when it holds no ``config.yaml``."""
+        run = cls(root)
+        if not run.is_run():
+            raise RepertoryError(f"{run.root} is not a run directory (no config.yaml)")
+        return run
+
+    def is_run(self) -> bool:
+        return self.config.is_file()
+
+    def create(self, config_yaml: str) -> None:
+        """Make the directory and write the run's resolved config into it."""
+        self.episodes(0).parent.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(config_yaml)
+
+    # files and folders
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
+    @property
+    def page(self) -> Path:
+        return self.report / "index.html"
+
+    @property
+    def served(self) -> Path:
+        return self.root / "served"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def wandb_id(self) -> Path:
+        return self.root / "wandb-run-id"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.root / "snapshots"
+
+    def episodes(self, iteration: int) -> Path:
+        """Iteration ``iteration``'s episodes (a deployment round's conversations)."""
+        return self.root / "episodes" / f"iter-{iteration:06d}.parquet"
+
+    def credit(self, iteration: int) -> Path:
+        """Iteration ``iteration``'s per-turn advantages and returns."""
+        return self.root / "credit" / f"iter-{iteration:06d}.parquet"
+
+    def turns(self, round_index: int) -> Path:
+        """Deployment round ``round_index``'s logged turns."""
+        return self.root / "rounds" / f"turns-{round_index:06d}.parquet"
+
+    def snapshot(self, iteration: int) -> Path:
+        """The opponent pool's snapshot of the live adapter at ``iteration``."""
+        return self.snapshots_dir / f"{iteration:06d}.safetensors"
+
+    def checkpoint(self, done: int) -> Path:
+        """Checkpoint ``done`` (iterations completed)."""
+        return self.checkpoints_dir / f"{done:06d}"
+
+    def iteration_files(self, folder: str) -> list[Path]:
+        """The ``iter-K.parquet`` files of ``folder`` (one of :data:`ITERATION_FOLDERS`), by iteration."""
+        return list(_numbered(self.root / folder, "iter-*.parquet", "iter-").values())
+
+    def snapshots(self) -> list[int]:
+        """Iterations whose snapshot is on disk, oldest first."""
+        return list(_numbered(self.snapshots_dir, "*.safetensors", ""))
+
+    def crossplay_results(self) -> list[Path]:
+        """Cross-play results saved into the run (``crossplay-*.json``, in the run or its report folder)."""
+        return sorted([*self.root.glob("crossplay-*.json"), *self.report.glob("crossplay-*.json")])
+
+    # checkpoints
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoint directories that were completely written, oldest first."""
+        root = self.checkpoints_dir
+        if not root.is_dir():
+            return []
+        return sorted(p for p in root.iterdir() if CHECKPOINT.match(p.name) and (p / COMPLETE).is_file())
+
+    def write_checkpoint(self, done: int, fill: Callable[[Path], None], keep: int) -> Path:
+        """Write checkpoint ``done``: ``fill`` writes its files into a temporary directory, which is fsynced,
+        marked complete and renamed into place; only the newest ``keep`` checkpoints stay."""
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        final = self.checkpoint(done)
+        tmp = self.checkpoints_dir / f".tmp-{done:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        fill(tmp)
+        (tmp / COMPLETE).write_text("")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in self.complete_checkpoints()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def truncate_after(self, done: int) -> None:
+        """Discard what the run wrote after its checkpoint ``done``: half-written checkpoint directories, metrics
+        lines, episode and credit files of later iterations, so the continued run equals an uninterrupted one."""
+        for stale in self.checkpoints_dir.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.metrics.is_file():
+            kept = [line for line in self.metrics.read_text().splitlines() if _iteration_of(line) < done]
+            tmp = self.metrics.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.metrics)
+        for folder in ITERATION_FOLDERS:
+            for iteration, path in _numbered(self.root / folder, "iter-*.parquet", "iter-").items():
+                if iteration >= done:
+                    path.unlink()
+        self.episodes(0).parent.mkdir(parents=True, exist_ok=True)
+
+
+def new_run_dir(config: TrainConfig) -> RunDir:
+    """A fresh run directory under ``output_dir`` (the name, or <method>-<env>-<timestamp>)."""
     root = Path(config.output_dir)
     if config.name:
         path = root / config.name
         if path.exists():
             raise RepertoryError(f"run directory {path} already exists; continue it with --resume {path} or rename")
-        return path
+        return RunDir(path)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = f"{config.algo.estimator}-{config.rollout.env}-{stamp}"
+    base = f"{config.method_name}-{config.rollout.env}-{stamp}"
     path, n = root / base, 2
     while path.exists():
         path, n = root / f"{base}-{n}", n + 1
-    return path
+    return RunDir(path)
 
 
 def _iteration_of(line: str) -> int:
@@ -65,55 +227,18 @@ def _iteration_of(line: str) -> int:
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig]:
     """A run directory (its newest complete checkpoint) or a checkpoint directory, with the run's config."""
-    path = Path(path)
-    if (path / "config.yaml").is_file():
-        checkpoints = complete_checkpoints(path)
+    run = RunDir(path)
+    if run.is_run():
+        checkpoints = run.complete_checkpoints()
         if not checkpoints:
-            raise RepertoryError(f"run {path} has no complete checkpoint yet")
-        return checkpoints[-1], load_config(str(path / "config.yaml"))
-    if (path / COMPLETE).is_file() and (path.parent.parent / "config.yaml").is_file():
-        return path, load_config(str(path.parent.parent / "config.yaml"))
+            raise RepertoryError(f"run {run} has no complete checkpoint yet")
+        return checkpoints[-1], load_config(str(run.config))
+    owner = RunDir(Path(path).parent.parent)
+    if (Path(path) / COMPLETE).is_file() and owner.is_run():
+        return Path(path), load_config(str(owner.config))
     raise RepertoryError(f"{path} is neither a run directory (config.yaml) nor a complete checkpoint (COMPLETE)")
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
     """True for a run directory or one of its checkpoint directories."""
-    path = Path(path)
-    return (path / "config.yaml").is_file() or (path / COMPLETE).is_file()
-
-
-def write_checkpoint(run_dir: Path, done: int, fill: Callable[[Path], None], keep: int) -> Path:
-    """Write checkpoint ``done`` (iterations completed): ``fill`` writes its files into a temporary directory,
-    which is fsynced, marked complete and renamed into place; only the newest ``keep`` checkpoints stay."""
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{done:06d}"
-    tmp = root / f".tmp-{done:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    fill(tmp)
-    (tmp / COMPLETE).write_text("")
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def truncate_after(run_dir: Path, done: int) -> None:
-    """Discard what the run wrote after its checkpoint ``done``: half-written checkpoint directories, metrics
-    lines, episode and credit files of later iterations, so the continued run equals an uninterrupted one."""
-    for stale in (run_dir / "checkpoints").glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    metrics_path = run_dir / "metrics.jsonl"
-    if metrics_path.is_file():
-        kept = [line for line in metrics_path.read_text().splitlines() if _iteration_of(line) < done]
-        tmp = metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, metrics_path)
-    for part in [*(run_dir / "episodes").glob("iter-*.parquet"), *(run_dir / "credit").glob("iter-*.parquet")]:
-        if int(part.stem.split("-")[1]) >= done:
-            part.unlink()
-    (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
+    return RunDir(path).is_run() or (Path(path) / COMPLETE).is_file()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from repertory.config import TrainConfig, dump_config
+from repertory.runs import RunDir
 from repertory.stats import finite_number
 from repertory.types import RepertoryError
 
@@ -42,8 +43,8 @@ def numeric(line: dict[str, Any]) -> dict[str, float]:
 class JsonlTracker:
     """``metrics.jsonl``: one JSON line per iteration, appended and flushed as soon as the iteration ends."""
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(self, run_dir: RunDir):
+        self.path = run_dir.metrics
 
     def log_config(self, config: TrainConfig) -> None:
         """The config is the run directory's ``config.yaml``, written when the run starts."""
@@ -63,14 +64,14 @@ class TensorBoardTracker:
     """Scalars per metric at step = iteration, the config as text (once, at step 0), the figures as images and
     the page's path at step = the number of iterations (so a resumed run's purge replaces them)."""
 
-    def __init__(self, run_dir: Path, start: int, iterations: int):
+    def __init__(self, run_dir: RunDir, start: int, iterations: int):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise RepertoryError(
                 "tracking: tensorboard needs the tensorboard package: pip install 'repertory[tensorboard]'"
             ) from None
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start if start else None)
+        self.writer = SummaryWriter(str(run_dir.tensorboard), purge_step=start if start else None)
         self.start = start
         self.iterations = iterations
 
@@ -106,13 +107,13 @@ class WandbTracker:
     """A W&B run named after the run directory: metrics at step = iteration, the config, the figures and the
     report page (``wandb.Html``) at the end."""
 
-    def __init__(self, run_dir: Path, config: TrainConfig):
+    def __init__(self, run_dir: RunDir, config: TrainConfig):
         try:
             import wandb
         except ImportError:
             raise RepertoryError("tracking: wandb needs the wandb package: pip install 'repertory[wandb]'") from None
         self.wandb = wandb
-        id_file = run_dir / "wandb-run-id"
+        id_file = run_dir.wandb_id
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         settings = config.wandb
@@ -147,7 +148,7 @@ class WandbTracker:
         self.run.finish()
 
 
-def make_trackers(config: TrainConfig, run_dir: Path, start: int) -> list[Tracker]:
+def make_trackers(config: TrainConfig, run_dir: RunDir, start: int) -> list[Tracker]:
     """The run's trackers, JSONL first; ``start`` is the first iteration this process runs (resume). If one
     cannot start, those already made are closed before the error propagates."""
     factories: dict[str, Callable[[], Tracker]] = {

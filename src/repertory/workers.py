@@ -20,7 +20,6 @@ import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from repertory.models.attention import ATTENTION
 from repertory.models.checkpoints import load_adapter
 from repertory.models.linear import use_fast_linears
 from repertory.rollout import EpisodeSpec, run_episodes
+from repertory.runs import RunDir
 from repertory.types import Episode, Judge, RepertoryError
 
 LIVE = "live"  # the spec of the trainer's live policy inside a worker
@@ -58,7 +58,7 @@ class LiveSource:
     seed: int
     engine: str = "hf"
     engine_args: dict[str, Any] | None = None
-    snapshots: Path | None = None  # the run's snapshot directory, for snapshot@K
+    pool_run: RunDir | None = None  # the run whose opponent-pool snapshots snapshot@K loads
 
 
 class RolloutWorker:
@@ -101,13 +101,13 @@ class RolloutWorker:
         backend = make_backend(source.engine, loaded, **(source.engine_args or {}))
         backend.version = source.version
         agent = LMAgent(backend, "live", source.params, source.constrained, source.seed, policy_id="live")
-        snapshots = source.snapshots
+        pool_run = source.pool_run
 
         def load_snapshot(k: int) -> str:
-            if snapshots is None or peft is None:
+            if pool_run is None or peft is None:
                 raise RepertoryError("snapshot@K needs a LoRA run with an opponent pool")
             name = f"snapshot-{k}"
-            return name if name in peft.peft_config else load_adapter(peft, name, snapshots / f"{k:06d}.safetensors")
+            return name if name in peft.peft_config else load_adapter(peft, name, pool_run.snapshot(k))
 
         return LivePolicy(agent, peft, reference, load_snapshot, source.engine)
 

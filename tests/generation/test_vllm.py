@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from repertory.config import load_config
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel, load_tokenizer, tiny_model
-from repertory.runs import complete_checkpoints
+from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
 from repertory.types import RepertoryError
 
@@ -225,7 +225,7 @@ def test_a_vllm_backed_run_reports_the_mismatch_and_resumes(tmp_path, tokenizer)
     for line in lines:
         assert 0 <= line["offpolicy/max_gap"] < 1e-3 and abs(line["offpolicy/weight_mean"] - 1) < 1e-3
     assert "final/outcome" in lines[-1]
-    assert [c.name for c in complete_checkpoints(run_dir)] == ["000001", "000002"]
+    assert [c.name for c in RunDir(run_dir).complete_checkpoints()] == ["000001", "000002"]
 
 
 def test_bench_rollout_runs_both_engines_on_the_same_episodes(tmp_path, tokenizer, capsys):

@@ -10,6 +10,8 @@ Iterative GRPO and its baselines is :mod:`repertory.algos.offline`. Section numb
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from repertory.algos.estimators import (
     ESTIMATORS,
     Estimate,
@@ -24,8 +26,14 @@ from repertory.algos.estimators import (
     whiten,
 )
 
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+"""How per-token losses are averaged over a mini-batch (docs/algorithms.md 2.7; ``algos.losses`` weighs them)."""
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+
 __all__ = [
+    "AGGREGATIONS",
     "ESTIMATORS",
+    "Aggregation",
     "Estimate",
     "EstimatorParams",
     "EstimatorSpec",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from repertory.algos import AGGREGATIONS
 from repertory.types import RepertoryError
 
 
@@ -113,9 +114,6 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Aggregation (2.7)
 # ----------------------------------------------------------------------------------------------------------
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
 
 def aggregation_weights(sample_lengths: list[int], mode: str, *, dtype: torch.dtype = torch.float32) -> Tensor:
     """Per-token weights, concatenated in sample order, with sum(weights * l) = the aggregation of l over the

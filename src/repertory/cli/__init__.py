@@ -25,10 +25,10 @@ app.command()(play.envs)
 app.command()(play.play)
 app.command()(play.tournament)
 app.command()(train.train)
-app.command("eval")(eval.eval_command)
 app.command()(report.report)
 app.command()(report.export)
 app.command()(serve.serve)
+app.add_typer(eval.eval_app, name="eval")
 app.add_typer(bench.bench_app, name="bench")
 
 __all__ = ["app", "main", "out"]

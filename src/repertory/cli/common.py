@@ -15,7 +15,7 @@ from repertory.envs import env_class
 from repertory.types import SPLITS, RepertoryError
 
 if TYPE_CHECKING:
-    from repertory.eval import JudgedStats, TeamStats
+    from repertory.eval.scores import JudgedStats, TeamStats
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(highlight=False, soft_wrap=True, stderr=True)

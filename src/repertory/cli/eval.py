@@ -10,15 +10,19 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import click
 import typer
 from rich.table import Table
+from typer.core import TyperGroup
 
 from repertory.cli.common import check_run_options, games_progress, judged_table, out, team_table
 from repertory.envs import env_class
 from repertory.types import RepertoryError
 
 if TYPE_CHECKING:
+    from repertory.eval import Evaluation
     from repertory.eval.crossplay import CrossPlayReport, Matrix
+
 
 def _matrix_table(title: str, agents: list[str], corner: str, cell: Callable[[str, str], str]) -> Table:
     table = Table(title=title)
@@ -31,7 +35,7 @@ def _matrix_table(title: str, agents: list[str], corner: str, cell: Callable[[st
 
 
 def _print_crossplay_report(report: CrossPlayReport) -> None:
-    from repertory.eval.crossplay import IPD_STRATEGIES, WELFARE, sides
+    from repertory.eval.crossplay import WELFARE, sides
 
     agents, n = report.agents, report.episodes
     cls = env_class(report.env)
@@ -92,11 +96,12 @@ def _print_crossplay_report(report: CrossPlayReport) -> None:
     if report.strategies:
         table = Table(title=f"{report.env}: agreement of each agent's moves with classic strategies")
         table.add_column("agent")
-        for name in IPD_STRATEGIES:
+        names = list(next(iter(report.strategies.values())).agreement)
+        for name in names:
             table.add_column(name, justify="right")
         table.add_column("closest")
         for agent, fit in report.strategies.items():
-            table.add_row(agent, *(f"{fit.agreement[name]:.3f}" for name in IPD_STRATEGIES), fit.closest)
+            table.add_row(agent, *(f"{fit.agreement[name]:.3f}" for name in names), fit.closest)
         out.print(table)
 
 
@@ -117,32 +122,78 @@ def _workers(n: int, env: str, lineup: Callable[[], dict]) -> Iterator[Any]:
         pool.close()
 
 
-def _eval_crossplay(
-    env: str | None,
-    specs: str | None,
-    episodes: int,
-    seed: int,
-    split: str,
-    model: str,
-    max_new_tokens: int | None,
-    constrained: bool | None,
-    as_json: bool,
-    out_dir: Path | None,
-    workers: int,
+class _EvalGroup(TyperGroup):
+    """``repertory eval RUN`` is ``repertory eval policy RUN``: arguments that do not start with a sub-command's
+    name go to ``policy``, so a run directory (or ``base``) needs no sub-command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["policy", *args]
+        return super().parse_args(ctx, args)
+
+
+eval_app = typer.Typer(
+    cls=_EvalGroup,
+    no_args_is_help=True,
+    help="Evaluate policies: `eval RUN` (held-out outcome per role), `eval crossplay` (every pair of a line-up), "
+    "`eval exploit` (train exploiters of a frozen policy).",
+)
+
+ENV = typer.Option(None, "--env", "-e", help="Environment (default: the run's).")
+SEED = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling.")
+SPLIT = typer.Option("heldout", "--split", help="Kernel split: heldout or train.")
+AS_JSON = typer.Option(False, "--json", help="One JSON object instead of a table.")
+WORKERS = typer.Option(
+    0, "--workers", help="Ray actors sharing the games, each with its own copy of the agents (0: this process)."
+)
+MAX_NEW_TOKENS = typer.Option(
+    None, "--max-new-tokens", help="Token budget per turn (default: as the run was trained; 400 for 'base')."
+)
+CONSTRAINED = typer.Option(None, "--constrained/--free", help="Constrained actions (default: as the run was trained).")
+
+
+def _check_budget(max_new_tokens: int | None) -> None:
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+
+
+@eval_app.command("crossplay")
+def eval_crossplay(
+    env: str | None = ENV,
+    specs: str | None = typer.Option(
+        None,
+        "--agents",
+        "-a",
+        help="The comma-separated line-up: bots, base, model, model:PATH, run or checkpoint directories.",
+    ),
+    episodes: int = typer.Option(
+        32, "--episodes", "-n", help="Games per ordered pair, the row agent in the first seat."
+    ),
+    seed: int = SEED,
+    split: str = SPLIT,
+    model: str = typer.Option("smollm2", "--model", "-m", help="The base model of base and model agents."),
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
+    constrained: bool | None = CONSTRAINED,
+    as_json: bool = AS_JSON,
+    out_dir: Path | None = typer.Option(
+        None, "--out", help="Also draw heat maps of M and W into DIR/crossplay-ENV.png and save DIR/crossplay-ENV.json."
+    ),
+    workers: int = WORKERS,
 ) -> None:
+    """Every ordered pair of --agents on --env: outcome and welfare matrices, ratings, cooperation."""
     from repertory.eval.crossplay import crossplay, crossplay_report, lineup, lineup_agents
 
     cls, names = lineup(specs, env)
     check_run_options(split, seed, episodes)
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise RepertoryError(f"--out {out_dir} is not a directory")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    _check_budget(max_new_tokens)
     line_up = (names, cls.name, seed, model, max_new_tokens, constrained)
     agents = lineup_agents(*line_up)
-    with _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool, games_progress(
-        f"cross-play {cls.name}"
-    ) as on_progress:
+    with (
+        _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool,
+        games_progress(f"cross-play {cls.name}") as on_progress,
+    ):
         report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, on_progress, workers=pool))
     data = report.to_json()
     if as_json:
@@ -163,16 +214,24 @@ def _eval_crossplay(
         print(f"heat map: {path}; results: {saved} (a run directory's report page shows them)", file=stream)
 
 
-def _eval_exploit(
-    env: str | None,
-    victim: str | None,
-    iterations: int,
-    seeds: int,
-    episodes: int,
-    out_dir: Path | None,
-    overrides: list[str],
-    as_json: bool,
+@eval_app.command("exploit")
+def eval_exploit(
+    env: str | None = typer.Option(None, "--env", "-e", help="Environment."),
+    victim: str | None = typer.Option(
+        None, "--victim", help="The frozen policy to exploit: a run or checkpoint directory, base, or a bot."
+    ),
+    iterations: int = typer.Option(500, "--iterations", help="Training iterations of each exploiter."),
+    seeds: int = typer.Option(3, "--seeds", help="Exploiter seeds (0, 1, ...)."),
+    episodes: int = typer.Option(32, "--episodes", "-n", help="Held-out games of each evaluation."),
+    out_dir: Path | None = typer.Option(
+        None, "--out", help="Where the exploiter runs go (default runs/exploit-ENV-<time>)."
+    ),
+    overrides: list[str] | None = typer.Option(
+        None, "--set", help="Change the exploiter's recipe (naive-ENV), e.g. --set rollout.constrained=true."
+    ),
+    as_json: bool = AS_JSON,
 ) -> None:
+    """Train naive exploiters of a frozen policy; exploiter gain and victim loss, mean +- SE over seeds."""
     from datetime import datetime
 
     from repertory.config import load_config
@@ -183,6 +242,7 @@ def _eval_exploit(
     if iterations < 1 or seeds < 1:
         raise RepertoryError("--iterations and --seeds must be at least 1")
     check_run_options("heldout", 0, episodes)
+    overrides = overrides or []
     load_config(None, [*overrides, f"rollout.env={env}", f"rollout.opponent={victim_spec(victim)}"])
     root = out_dir or Path("runs") / f"exploit-{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if root.exists() and not root.is_dir():
@@ -207,57 +267,24 @@ def _eval_exploit(
     out.print(f"{verdict} at this budget (gain {'>' if result.exploitable else '<='} 1.96 SE; a lower bound)")
 
 
-def eval_command(
-    target: str = typer.Argument(
-        ...,
-        help="A run directory, a checkpoint directory, 'base' (the untrained model), "
-        "'crossplay' (every ordered pair of --agents), or 'exploit' (train exploiters of --victim).",
-    ),
-    env: str | None = typer.Option(None, "--env", "-e", help="Environment (default: the run's)."),
-    split: str = typer.Option("heldout", "--split", help="Kernel split: heldout or train."),
+@eval_app.command("policy")
+def eval_policy(
+    target: str = typer.Argument(..., help="A run directory, a checkpoint directory, or 'base' (the untrained model)."),
+    env: str | None = ENV,
+    split: str = SPLIT,
     vs: str | None = typer.Option(
         None,
         "--vs",
         help="Opponent: self (self-play), base, a bot, or model:PATH (a checkpoint, a run or a HF model). "
         "Default: the game's partner (its scripted negotiator in negotiations), else self-play.",
     ),
-    episodes: int = typer.Option(
-        32, "--episodes", "-n", help="Episodes to play (crossplay: per ordered pair, the row agent in the first seat)."
-    ),
-    seed: int = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling."),
-    model: str = typer.Option(
-        "smollm2", "--model", "-m", help="Base model when TARGET is 'base' (crossplay: of base and model agents)."
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens", help="Token budget per turn (default: as the run was trained; 400 for 'base')."
-    ),
-    constrained: bool | None = typer.Option(
-        None, "--constrained/--free", help="Constrained actions (default: as the run was trained)."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
-    agents: str | None = typer.Option(
-        None,
-        "--agents",
-        "-a",
-        help="crossplay: the comma-separated line-up: bots, base, model, model:PATH, run or checkpoint directories.",
-    ),
-    out_dir: Path | None = typer.Option(
-        None,
-        "--out",
-        help="crossplay: also draw heat maps of M and W into DIR/crossplay-ENV.png; exploit: where the exploiter "
-        "runs go (default runs/exploit-ENV-<time>).",
-    ),
-    victim: str | None = typer.Option(
-        None, "--victim", help="exploit: the frozen policy to exploit: a run or checkpoint directory, base, or a bot."
-    ),
-    iterations: int = typer.Option(500, "--iterations", help="exploit: training iterations of each exploiter."),
-    seeds: int = typer.Option(3, "--seeds", help="exploit: exploiter seeds (0, 1, ...)."),
-    overrides: list[str] | None = typer.Option(
-        None, "--set", help="exploit: change the exploiter's recipe (naive-ENV), e.g. --set rollout.constrained=true."
-    ),
-    workers: int = typer.Option(
-        0, "--workers", help="Ray actors sharing the games, each with its own copy of the agents (0: this process)."
-    ),
+    episodes: int = typer.Option(32, "--episodes", "-n", help="Episodes to play."),
+    seed: int = SEED,
+    model: str = typer.Option("smollm2", "--model", "-m", help="Base model when TARGET is 'base'."),
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
+    constrained: bool | None = CONSTRAINED,
+    as_json: bool = AS_JSON,
+    workers: int = WORKERS,
     judge: str | None = typer.Option(
         None,
         "--judge",
@@ -277,36 +304,19 @@ def eval_command(
         "scenarios=DIR.",
     ),
 ) -> None:
-    """Held-out evaluation: normalised outcome per role (mean +- standard error) and the environment's metrics.
-
-    `eval crossplay --env ENV --agents A,B,...`: every pair; outcome and welfare matrices, ratings, cooperation.
-    `eval exploit --env ENV --victim V`: train naive exploiters of a frozen policy; exploiter gain, victim loss."""
-    if target == "exploit":
-        _eval_exploit(env, victim, iterations, seeds, episodes, out_dir, overrides or [], as_json)
-        return
-    if victim is not None or overrides:
-        raise RepertoryError("--victim and --set are only for `repertory eval exploit --env ENV --victim V`")
-    if target == "crossplay":
-        if vs is not None:
-            raise RepertoryError("--vs is for one agent; crossplay plays every pair of --agents")
-        _eval_crossplay(
-            env, agents, episodes, seed, split, model, max_new_tokens, constrained, as_json, out_dir, workers
-        )
-        return
-    if agents is not None or out_dir is not None:
-        option = "--agents" if agents is not None else "--out"
-        raise RepertoryError(f"{option} is only for `repertory eval crossplay --env ENV --agents A,B,...`")
+    """Held-out evaluation of one policy (`repertory eval TARGET` for short): normalised outcome per role (mean
+    +- standard error), the discounted return and the environment's metrics."""
     from repertory.eval import evaluate, evaluation_agents, evaluation_lineup
 
     check_run_options(split, seed, episodes)
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    _check_budget(max_new_tokens)
     line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
     agent, opponent, env_name = evaluation_lineup(*line_up)
     options, scorer = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
-    with _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool, games_progress(
-        f"eval {env_name}"
-    ) as on_progress:
+    with (
+        _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool,
+        games_progress(f"eval {env_name}") as on_progress,
+    ):
         result = evaluate(
             env_name,
             agent,
@@ -321,8 +331,12 @@ def eval_command(
         )
     if as_json:
         print(json.dumps(result.to_json()))
-        return
-    table = Table(title=f"{agent.name} on {env_name} ({split}, vs {result.opponent}, {result.episodes} episodes)")
+    else:
+        _print_evaluation(result, agent.name, env_name, split)
+
+
+def _print_evaluation(result: Evaluation, name: str, env: str, split: str) -> None:
+    table = Table(title=f"{name} on {env} ({split}, vs {result.opponent}, {result.episodes} episodes)")
     for column in ("role", "outcome", "points", "games"):
         table.add_column(column, justify="right" if column != "role" else "left")
     for role, (mean, se) in result.outcome.items():
@@ -331,14 +345,14 @@ def eval_command(
     table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
     out.print(table)
     if result.teams:
-        out.print(team_table(f"{agent.name} per team ({env_name}, vs {result.opponent})", result.teams))
+        out.print(team_table(f"{name} per team ({env}, vs {result.opponent})", result.teams))
     out.print(
         f"expected discounted return (gamma {result.gamma} per own turn): "
         f"{result.discounted[0]:.3f} ± {result.discounted[1]:.3f}"
     )
     out.print(f"invalid actions: {result.invalid_rate:.1%}")
     if result.judged is not None:
-        out.print(judged_table(f"{agent.name}'s seats, judged ({env_name}, vs {result.opponent})", result.judged))
+        out.print(judged_table(f"{name}'s seats, judged ({env}, vs {result.opponent})", result.judged))
     for key, value in result.metrics.items():
         out.print(f"{key}: {value:.3f}")
 
@@ -368,5 +382,3 @@ def _judging(
     elif key_env is not None:
         config = config.model_copy(update={"api_key_env": key_env})
     return env_options, make_judge(config)
-
-

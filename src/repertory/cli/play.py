@@ -179,7 +179,7 @@ class LiveTranscript:
 
 
 def _print_summary(episodes: list[Episode]) -> None:
-    from repertory.eval import summarize  # the evaluation layer loads model code; bot games need none
+    from repertory.eval.scores import summarize  # the evaluation layer loads model code; bot games need none
 
     stats = summarize(episodes)
     table = Table(title=f"{episodes[0].env}: {len(episodes)} episode(s)")
@@ -329,5 +329,3 @@ def tournament(
         if store:
             path = store.append(result.episodes)
             print(f"wrote {len(result.episodes)} episode(s) to {path}", file=sys.stderr)
-
-

@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from repertory.cli.common import err, out
-from repertory.types import RepertoryError
 
 
 def report(
@@ -26,12 +25,14 @@ def report(
     episode browser; self-contained, opens from file://), or (--table) the held-out expected discounted return of
     methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
     from repertory.report import results_table, write_report
+    from repertory.runs import RunDir
+
+    def warn(warning: str) -> None:
+        err.print(f"warning: {warning}", markup=False)
 
     if not table:
         for run in runs:
-            if not (run / "config.yaml").is_file():
-                raise RepertoryError(f"{run} is not a run directory (no config.yaml)")
-            for path in write_report(run, max_episodes, lambda warning: err.print(f"warning: {warning}", markup=False)):
+            for path in write_report(RunDir.existing(run), max_episodes, warn):
                 out.print(str(path))
         return
     result = results_table(runs, checkpoint)

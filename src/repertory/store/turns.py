@@ -102,7 +102,10 @@ def turns_from_rows(
     has_text = {"messages", "response"} <= columns
     if missing or not (has_ids or has_text):
         need = ", ".join(missing) if missing else "prompt_ids + response_ids, or messages + response"
-        raise RepertoryError(f"{path}: not a logged-turns file (missing columns: {need}); see the README's schema")
+        raise RepertoryError(
+            f"{path}: not a logged-turns file (missing columns: {need}); see its schema in docs/cli.md (Bring your own "
+            "logs)"
+        )
     if not rows:
         raise RepertoryError(f"{path}: no logged turns")
     for n, row in enumerate(rows):

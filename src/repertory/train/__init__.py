@@ -8,13 +8,13 @@ loss, generation backend) is checked before any model loads.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 from repertory.algos.losses import get_policy_loss
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
-from repertory.runs import complete_checkpoints, new_run_dir, truncate_after
+from repertory.runs import RunDir, new_run_dir
 from repertory.train import (
     archer,  # noqa: F401  (registers the archer and archer-lc round methods)
     distributed,
@@ -43,7 +43,7 @@ def check_names(config: TrainConfig) -> None:
         raise RepertoryError(f"algo.policy_loss: {exc}") from None
 
 
-def build(config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None) -> Trainer:
+def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None) -> Trainer:
     """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
     check_names(config)
     if distributed.world_size() > 1 and (config.trainer != "online" or config.rollout.workers):
@@ -58,32 +58,31 @@ def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer
     run_dir = distributed.broadcast(new_run_dir(config) if distributed.is_main() else None)
     trainer = build(config, run_dir, loaded)
     if distributed.is_main():
-        (run_dir / "episodes").mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(config))
+        run_dir.create(dump_config(config))
     distributed.barrier()
     return trainer
 
 
-def resume_run(run_dir: Path, overrides: list[str] | None = None, loaded: LoadedModel | None = None) -> Trainer:
+def resume_run(
+    run_dir: str | os.PathLike[str], overrides: list[str] | None = None, loaded: LoadedModel | None = None
+) -> Trainer:
     """Rebuild the trainer of ``run_dir`` from its config and newest complete checkpoint.
 
     Work after that checkpoint (a metrics line, an episodes file of the iteration in flight) is
     discarded so that the continued run equals an uninterrupted one.
     """
     distributed.initialise()
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        raise RepertoryError(f"{run_dir} is not a run directory (no config.yaml)")
-    config = load_config(str(config_path), overrides)
+    run = RunDir.existing(run_dir)
+    config = load_config(str(run.config), overrides)
     distributed.barrier()  # every process read the config before process 0 rewrites it
     if overrides and distributed.is_main():
-        config_path.write_text(dump_config(config))
-    trainer = build(config, run_dir, loaded)
-    checkpoints = complete_checkpoints(run_dir)
+        run.config.write_text(dump_config(config))
+    trainer = build(config, run, loaded)
+    checkpoints = run.complete_checkpoints()
     if checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
     if distributed.is_main():
-        truncate_after(run_dir, trainer.iteration)
+        run.truncate_after(trainer.iteration)
     distributed.barrier()
     return trainer
 

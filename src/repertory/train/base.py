@@ -27,13 +27,14 @@ from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels, make
-from repertory.eval import DISCOUNT, evaluate, judged_lines, team_lines
+from repertory.eval import evaluate
+from repertory.eval.scores import DISCOUNT, judged_lines, team_lines
 from repertory.generation import SamplingParams, make_backend, samples_exactly
 from repertory.judges import make_judge
 from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
-from repertory.runs import write_checkpoint
+from repertory.runs import RunDir
 from repertory.store import write_credit
 from repertory.tracking import make_trackers
 from repertory.train import distributed
@@ -50,7 +51,7 @@ class Trainer:
     """One training run in one run directory: the learner, the backend that samples the live policy, the
     line-up, held-out evaluation, checkpoints and the loop. A trainer kind implements :meth:`run_iteration`."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
+    def __init__(self, config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None):
         self.config = config
         self.run_dir = run_dir
         self.env = env_class(config.rollout.env)
@@ -183,7 +184,7 @@ class Trainer:
             seed=self.live.seed,
             engine=self.config.rollout.backend,
             engine_args=self.config.rollout.engine_args,
-            snapshots=self.run_dir / "snapshots" if self.pool is not None else None,
+            pool_run=self.run_dir if self.pool is not None else None,
         )
 
     def close(self) -> None:
@@ -248,15 +249,17 @@ class Trainer:
         if self.workers is not None:
             self.workers.update(self.backend.version, self._live_weights())
 
-    def advantages(self, batch: Batch) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, dict]:
-        """Per-sample advantage (and critic target) tensors from the configured estimator."""
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        """Assign each scored sample of ``batch`` its advantages (and critic targets) from the configured
+        estimator; returns the estimator's metrics."""
         algo = self.config.algo
         inputs = self.estimator_inputs(batch)
         if algo.kl_mode == "reward" and algo.beta_kl > 0:
             for traj, ref in zip(inputs, batch.trajectories):
                 for k, index in enumerate(ref.samples):
-                    if index in batch.logp_old:
-                        kl = losses.kl_penalty(batch.logp_old[index], batch.logp_ref[index], algo.kl_estimator)
+                    if index in batch.experience:
+                        scored = batch.experience[index]
+                        kl = losses.kl_penalty(scored.logp_old, scored.logp_ref, algo.kl_estimator)
                         traj.rewards[k] -= algo.beta_kl * float(kl.sum())
         estimate = self.estimator.fn(inputs, algo, self.estimator_state)
         whiten = self.estimator.whiten if algo.whiten is None else algo.whiten
@@ -269,40 +272,23 @@ class Trainer:
                     advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
                     if returns is not None:
                         returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)
+        batch.assign(advantages, returns)
         metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
         metrics["advantage/mean"] = float(torch.cat(list(advantages.values())).mean()) if advantages else 0.0
         if returns:
-            errors = [float(((batch.values[i] - returns[i]) ** 2).mean()) for i in returns if batch.samples[i].n_tokens]
+            errors = [
+                float(((batch.experience[i].values - returns[i]) ** 2).mean())  # type: ignore[operator]
+                for i in returns
+                if batch.samples[i].n_tokens
+            ]
             metrics["value/mse"] = sum(errors) / len(errors)
-        return advantages, returns, metrics
+        return metrics
 
-    def write_credit(
-        self,
-        iteration: int,
-        batch: Batch,
-        advantages: dict[int, torch.Tensor],
-        returns: dict[int, torch.Tensor] | None,
-    ) -> None:
+    def write_credit(self, iteration: int, batch: Batch) -> None:
         """Persist each trained turn's advantage and return next to the iteration's episodes (``credit/``), for
         the report's episode browser."""
-        if not distributed.is_main():
-            return
-        rows = []
-        for ref in batch.trajectories:
-            for index in ref.samples:
-                if index not in advantages:
-                    continue
-                target = returns.get(index) if returns is not None else None
-                rows.append(
-                    {
-                        "episode_id": ref.episode.episode_id,
-                        "seat_id": ref.seat_id,
-                        "turn_index": batch.samples[index].turn,
-                        "advantage": float(advantages[index].mean()),
-                        "return": float(target[-1]) if target is not None and target.numel() else None,
-                    }
-                )
-        write_credit(self.run_dir / "credit" / f"iter-{iteration:06d}.parquet", rows)
+        if distributed.is_main():
+            write_credit(self.run_dir.credit(iteration), batch.credit_rows())
 
     def evaluate(self, iteration: int) -> dict[str, Any]:
         """Held-out evaluation of the live policy (deterministic in seed and iteration)."""
@@ -352,7 +338,7 @@ class Trainer:
             }
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
-        return write_checkpoint(self.run_dir, done, fill, self.config.keep_checkpoints)
+        return self.run_dir.write_checkpoint(done, fill, self.config.keep_checkpoints)
 
     def save_state(self, directory: Path) -> None:
         """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``."""
@@ -403,11 +389,11 @@ class Trainer:
                     on_line(line)
             self.close()
             if main:
-                files = write_report(self.run_dir)
+                files = write_report(self.run_dir.root)
                 for tracker in trackers:
                     tracker.log_report(files)
         finally:
             for tracker in trackers:
                 tracker.close()
         distributed.barrier()
-        return self.run_dir
+        return self.run_dir.root

@@ -42,21 +42,71 @@ class TrajectoryRef:
 
 
 @dataclass
+class Experience:
+    """Everything training attaches to one trained sample, one entry per response token: the learner's
+    log-probs when the batch was scored (PPO's old policy), the reference policy's, the sampler-learner
+    correction weights and, with a critic, its values (all from :meth:`Learner.score`); then the advantages
+    and, for a critic, its targets (from the estimator or the round method, :meth:`Batch.assign`)."""
+
+    logp_old: torch.Tensor
+    logp_ref: torch.Tensor
+    correction: torch.Tensor
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+@dataclass
 class Batch:
-    """A rollout batch as the learner sees it; the score fields are filled by :meth:`Learner.score`."""
+    """A rollout batch as the learner sees it; ``experience`` (by sample index) is filled by
+    :meth:`Learner.score` and :meth:`assign`."""
 
     trajectories: list[TrajectoryRef]
     samples: list[Sample]
     sequences: list[PackedSequence]
-    logp_old: dict[int, torch.Tensor] = field(default_factory=dict)
-    logp_ref: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    correction: dict[int, torch.Tensor] = field(default_factory=dict)  # sampler-learner weights, per token
+    experience: dict[int, Experience] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
         """Valid tokens of the batch (N_tok)."""
         return sum(s.n_tokens for s in self.samples)
+
+    @property
+    def has_returns(self) -> bool:
+        """Whether critic targets were assigned (the value loss then trains the critic)."""
+        return any(x.returns is not None for x in self.experience.values())
+
+    def assign(self, advantages: dict[int, torch.Tensor], returns: dict[int, torch.Tensor] | None = None) -> None:
+        """Attach each scored sample's per-token advantages (and critic targets); entries of samples without
+        tokens to train are ignored, a scored sample without advantages is an error."""
+        for index, experience in self.experience.items():
+            if index not in advantages:
+                raise ValueError(f"sample {index} was scored but has no advantages")
+            experience.advantages = advantages[index]
+            experience.returns = returns[index] if returns is not None else None
+        unscored = [i for i in advantages if i not in self.experience and self.samples[i].n_tokens]
+        if unscored:
+            raise ValueError(f"samples {unscored[:5]} have advantages but were not scored (Learner.score)")
+
+    def credit_rows(self) -> list[dict[str, object]]:
+        """Each trained turn's mean advantage and final critic target, by episode, seat and turn (``credit/``)."""
+        rows: list[dict[str, object]] = []
+        for ref in self.trajectories:
+            for index in ref.samples:
+                experience = self.experience.get(index)
+                if experience is None or experience.advantages is None:
+                    continue
+                target = experience.returns
+                rows.append(
+                    {
+                        "episode_id": ref.episode.episode_id,
+                        "seat_id": ref.seat_id,
+                        "turn_index": self.samples[index].turn,
+                        "advantage": float(experience.advantages.mean()),
+                        "return": float(target[-1]) if target is not None and target.numel() else None,
+                    }
+                )
+        return rows
 
     def estimator_inputs(self) -> list[algos.TrajectoryInput]:
         """One :class:`algos.TrajectoryInput` per trajectory (values when the batch was scored with a critic)."""
@@ -65,8 +115,8 @@ class Batch:
             seat = ref.episode.seat(ref.seat_id)
             samples = [self.samples[i] for i in ref.samples]
             values = None
-            if self.values:
-                values = [self.values[i].tolist() if s.trained else [] for i, s in zip(ref.samples, samples)]
+            if any(x.values is not None for x in self.experience.values()):
+                values = [self._values(i) if s.trained else [] for i, s in zip(ref.samples, samples)]
             rounds = ref.episode.result.info.get("round_points")
             opponent = [s for s in ref.episode.seats if s.seat_id != ref.seat_id]
             turns = ref.episode.trajectory(ref.seat_id)
@@ -95,6 +145,11 @@ class Batch:
                 )
             )
         return out
+
+    def _values(self, index: int) -> list[float]:
+        values = self.experience[index].values
+        assert values is not None
+        return values.tolist()
 
 
 def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool = False) -> Batch:

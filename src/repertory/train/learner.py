@@ -28,7 +28,7 @@ from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.models import LoadedModel
 from repertory.models.packing import PackedSequence, model_inputs, token_batches
 from repertory.train import distributed
-from repertory.train.batch import Batch, Sample
+from repertory.train.batch import Batch, Experience, Sample
 from repertory.train.heads import ValueModel, with_lora
 from repertory.types import derive
 
@@ -234,41 +234,42 @@ class Learner:
 
     @torch.no_grad()
     def score(self, batch: Batch) -> dict[str, float]:
-        """Fill ``logp_old``, ``logp_ref``, the rollout ``correction`` and (with a critic) ``values`` for every
-        trained sample; returns the sampler-learner mismatch over the tokens the sampler recorded."""
+        """Give every trained sample its :class:`Experience`: the learner's and the reference's log-probs, the
+        rollout correction and (with a critic) values; returns the sampler-learner mismatch over the tokens the
+        sampler recorded."""
+        logp: dict[int, torch.Tensor] = {}
+        logp_ref: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
         for micro in self._micro_batches(batch.sequences):
             scored = self._forward(micro, batch.samples, values=True)
-            batch.logp_old.update({i: t.detach() for i, t in scored.logp.items()})
-            batch.values.update({i: t.detach() for i, t in scored.values.items()})
+            logp.update({i: t.detach() for i, t in scored.logp.items()})
+            values.update({i: t.detach() for i, t in scored.values.items()})
             ref = self._forward(micro, batch.samples, reference=True)
-            batch.logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
-        recorded = [i for i in batch.logp_old if len(batch.samples[i].logp_sample) == len(batch.logp_old[i])]
+            logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
+        recorded = [i for i in logp if len(batch.samples[i].logp_sample) == len(logp[i])]
         sampled = {i: torch.tensor(batch.samples[i].logp_sample, device=self.device) for i in recorded}
         cap = self.algo.rollout_correction_cap
-        for i, old in batch.logp_old.items():
+        for i, old in logp.items():
             mode = self.correction if i in sampled else "none"  # logged turns may carry no log-probs
-            batch.correction[i] = losses.rollout_correction(old, sampled.get(i, old), mode, cap)
+            correction = losses.rollout_correction(old, sampled.get(i, old), mode, cap)
+            batch.experience[i] = Experience(old, logp_ref[i], correction, values.get(i))
         if not sampled:
             return {}
-        learner = torch.cat([batch.logp_old[i] for i in recorded])
+        learner = torch.cat([logp[i] for i in recorded])
         metrics = losses.sampler_mismatch(learner, torch.cat([sampled[i] for i in recorded]))
-        metrics["offpolicy/weight_mean"] = float(torch.cat([batch.correction[i] for i in recorded]).mean())
+        weights = torch.cat([batch.experience[i].correction for i in recorded])
+        metrics["offpolicy/weight_mean"] = float(weights.mean())
         return metrics
 
     # the optimisation step
 
     def update(
-        self,
-        batch: Batch,
-        advantages: dict[int, torch.Tensor],
-        returns: dict[int, torch.Tensor] | None,
-        iteration: int | str,
-        epochs: int | None = None,
-        mini_batches: int | None = None,
+        self, batch: Batch, iteration: int | str, epochs: int | None = None, mini_batches: int | None = None
     ) -> dict[str, float]:
-        """PPO (or REINFORCE) epochs over the batch (default ``algo.ppo_epochs`` of ``algo.mini_batches``
-        optimizer steps); returns the loss and diagnostic means over the steps taken, and ``skipped_frac``, the
-        share of steps skipped because nothing could move the policy yet (see :meth:`_flat`)."""
+        """PPO (or REINFORCE) epochs over a scored batch whose advantages (and critic targets) were assigned
+        (default ``algo.ppo_epochs`` of ``algo.mini_batches`` optimizer steps); returns the loss and diagnostic
+        means over the steps taken, and ``skipped_frac``, the share of steps skipped because nothing could move
+        the policy yet (see :meth:`_flat`)."""
         algo = self.algo
         totals: dict[str, float] = {}
         steps = skipped = 0
@@ -278,10 +279,10 @@ class Learner:
             n_mini = min(mini_batches or algo.mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
-                if steps == 0 and self._flat(mini, batch, advantages, returns):
+                if steps == 0 and self._flat(mini, batch):
                     skipped += 1
                     continue
-                stats = self._step(mini, batch, advantages, returns)
+                stats = self._step(mini, batch)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
@@ -291,33 +292,21 @@ class Learner:
         out["skipped_frac"] = skipped / (steps + skipped)
         return out
 
-    def _flat(
-        self,
-        mini: list[PackedSequence],
-        batch: Batch,
-        advantages: dict[int, torch.Tensor],
-        returns: dict[int, torch.Tensor] | None,
-    ) -> bool:
+    def _flat(self, mini: list[PackedSequence], batch: Batch) -> bool:
         """Whether a step of the still-unchanged (scored) policy has a zero gradient: every advantage is 0, no
         entropy or value term, and the policy equals its KL reference on these tokens. Such a step is skipped:
         its computed gradient is float noise, which AdamW would turn into a full learning-rate step."""
         algo = self.algo
-        if algo.entropy_coef > 0 or (returns is not None and self.value is not None):
+        if algo.entropy_coef > 0 or (batch.has_returns and self.value is not None):
             return False
-        indices = [index for seq in mini for index, _ in seq.spans]
-        if any(bool(advantages[i].any()) for i in indices):
+        mine = [batch.experience[index] for seq in mini for index, _ in seq.spans]
+        if any(bool(x.advantages.any()) for x in mine):  # type: ignore[union-attr]
             return False
         if algo.kl_mode != "loss" or algo.beta_kl == 0:
             return True
-        return all(torch.allclose(batch.logp_old[i], batch.logp_ref[i], rtol=0, atol=FLAT_LOGP_TOL) for i in indices)
+        return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=FLAT_LOGP_TOL) for x in mine)
 
-    def _step(
-        self,
-        mini: list[PackedSequence],
-        batch: Batch,
-        advantages: dict[int, torch.Tensor],
-        returns: dict[int, torch.Tensor] | None,
-    ) -> dict[str, float]:
+    def _step(self, mini: list[PackedSequence], batch: Batch) -> dict[str, float]:
         algo = self.algo
         order = [index for seq in mini for index, _ in seq.spans]
         lengths = [batch.samples[i].n_tokens for i in order]
@@ -332,26 +321,25 @@ class Learner:
         for micro in self._micro_batches(mini)[distributed.rank() :: distributed.world_size()]:
             scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True)
             idx = [index for seq in micro for index, _ in seq.spans]
+            mine = [batch.experience[i] for i in idx]
             w = torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx])
             logp = torch.cat([scored.logp[i] for i in idx])
-            old = torch.cat([batch.logp_old[i] for i in idx])
-            ref = torch.cat([batch.logp_ref[i] for i in idx])
-            adv = torch.cat([advantages[i] for i in idx]).to(self.device, logp.dtype)
+            old = torch.cat([x.logp_old for x in mine])
+            ref = torch.cat([x.logp_ref for x in mine])
+            adv = torch.cat([x.advantages for x in mine]).to(self.device, logp.dtype)  # type: ignore[misc]
             ent = torch.cat([scored.entropy[i] for i in idx])
             kl = losses.kl_penalty(logp, ref, algo.kl_estimator)
             terms = self.policy_loss(logp, old, adv, algo)
-            # a batch the learner did not score carries no sampler log-probs to correct for
-            correction = torch.cat([batch.correction.get(i, torch.ones_like(scored.logp[i])) for i in idx])
-            l_pg, clipped = terms.loss * correction, terms.clipped
+            l_pg, clipped = terms.loss * torch.cat([x.correction for x in mine]), terms.clipped
             if terms.kl_weights is not None:
                 kl = terms.kl_weights * kl
             loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()
             if algo.kl_mode == "loss":
                 loss = loss + algo.beta_kl * (w * kl).sum()
-            if self.value is not None and returns is not None:
+            if self.value is not None and batch.has_returns:
                 v_new = torch.cat([scored.values[i] for i in idx])
-                v_old = torch.cat([batch.values[i] for i in idx])
-                g = torch.cat([returns[i] for i in idx]).to(self.device, v_new.dtype)
+                v_old = torch.cat([x.values for x in mine])  # type: ignore[misc]
+                g = torch.cat([x.returns for x in mine]).to(self.device, v_new.dtype)  # type: ignore[misc]
                 l_v = (w * losses.value_loss(v_new, v_old, g, algo.eps_v)).sum()
                 loss = loss + (self.critic_config.value_coef if self.shared_critic else 1.0) * l_v
                 sums["loss/value"] += float(l_v.detach())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from repertory.eval import rollout_metrics
+from repertory.eval.scores import rollout_metrics
 from repertory.store import write_episodes
 from repertory.system import peak_rss_mb
 from repertory.train import distributed
@@ -43,7 +43,7 @@ class OnlineTrainer(Trainer):
         rollout_s = time.perf_counter() - start
         generated = self.backend.stats.generated_tokens - generated_before
         if distributed.is_main():
-            write_episodes(self.run_dir / "episodes" / f"iter-{iteration:06d}.parquet", episodes)
+            write_episodes(self.run_dir.episodes(iteration), episodes)
         line.update(rollout_metrics(episodes))
         if self.pool is not None:
             line["pool/snapshots"] = len(self.pool.snapshots())
@@ -60,9 +60,9 @@ class OnlineTrainer(Trainer):
             )
         self.backend.offload()  # the learner takes the device (a colocated vLLM engine sleeps until sync)
         mismatch = self.learner.score(batch)
-        advantages, returns, estimate_metrics = self.advantages(batch)
-        self.write_credit(iteration, batch, advantages, returns)
-        update = self.learner.update(batch, advantages, returns, iteration)
+        estimate_metrics = self.advantages(batch)
+        self.write_credit(iteration, batch)
+        update = self.learner.update(batch, iteration)
         train_s = time.perf_counter() - start
         self.sync()
 
@@ -83,4 +83,3 @@ class OnlineTrainer(Trainer):
             }
         )
         return line
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from peft import get_peft_model_state_dict
@@ -15,6 +14,7 @@ from repertory.agents import Agent
 from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.config import PoolConfig
 from repertory.models.checkpoints import load_adapter
+from repertory.runs import RunDir
 from repertory.types import RepertoryError, derive
 
 
@@ -23,33 +23,32 @@ class OpponentPool:
     as named adapters into the policy model for the iterations that serve them (``snapshot@K`` agents)."""
 
     def __init__(
-        self, peft: Any, run_dir: Path, config: PoolConfig, seed: int, live: Agent, resolve: Callable[[str], Agent]
+        self, peft: Any, run_dir: RunDir, config: PoolConfig, seed: int, live: Agent, resolve: Callable[[str], Agent]
     ):
         """``live`` plays the matches no snapshot is drawn for; ``resolve`` builds the ``snapshot@K`` agents."""
         if peft is None:
             raise RepertoryError("rollout.opponent 'pool' serves LoRA snapshots; set model.lora.enabled: true")
         self.peft, self.config, self.seed = peft, config, seed
         self.live, self.resolve = live, resolve
-        self.directory = run_dir / "snapshots"
+        self.run_dir = run_dir
         self.loaded: dict[int, LMAgent] = {}
 
     def snapshots(self) -> list[int]:
         """Iterations whose snapshot is on disk, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(int(f.stem) for f in self.directory.glob("*.safetensors") if f.stem.isdigit())
+        return self.run_dir.snapshots()
 
     def take(self, iteration: int) -> None:
         """Save the live adapter as snapshot ``iteration`` (atomically; rewriting it is harmless)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.run_dir.snapshot(iteration)
+        final.parent.mkdir(parents=True, exist_ok=True)
         tensors = get_peft_model_state_dict(self.peft, adapter_name=LIVE_ADAPTER)
-        tmp = self.directory / f".tmp-{iteration:06d}-{os.getpid()}"
+        tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, self.directory / f"{iteration:06d}.safetensors")
+        os.replace(tmp, final)
 
     def load(self, snap: int) -> str:
         """Load snapshot ``snap`` as an adapter of the policy model; returns the adapter's name."""
-        return load_adapter(self.peft, f"snapshot-{snap}", self.directory / f"{snap:06d}.safetensors", LIVE_ADAPTER)
+        return load_adapter(self.peft, f"snapshot-{snap}", self.run_dir.snapshot(snap), LIVE_ADAPTER)
 
     def serve(self, iteration: int) -> list[LMAgent]:
         """The snapshots served this iteration (a random subset of at most ``max_served``), loaded as adapters of

@@ -38,9 +38,10 @@ from repertory.algos import offline
 from repertory.config import TrainConfig
 from repertory.envs import Env
 from repertory.envs.replay import replay
-from repertory.eval import rollout_metrics
+from repertory.eval.scores import rollout_metrics
 from repertory.generation import Generation, TokenTrie
 from repertory.models import LoadedModel, load_model
+from repertory.runs import RunDir
 from repertory.store import read_episodes, write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train.base import Trainer
@@ -122,7 +123,7 @@ def chunks(items: list[int], size: int) -> Iterator[list[int]]:
 class RoundsTrainer(Trainer):
     """Batch-online rounds (see the module docstring); one iteration = one round."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, loaded: LoadedModel | None = None):
+    def __init__(self, config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None):
         if config.rollout.opponent in ("self", "pool"):
             raise RepertoryError(
                 f"trainer rounds deploys the policy against a partner; set rollout.opponent to a bot of "
@@ -132,9 +133,7 @@ class RoundsTrainer(Trainer):
         if config.algo.kl_mode != "loss":
             raise RepertoryError("trainer rounds puts the KL to the reference in the loss; set algo.kl_mode: loss")
         if config.rounds.logs and not method.from_logs:
-            raise RepertoryError(
-                f"{method.name} learns from deployed conversations; rounds.logs needs another method"
-            )
+            raise RepertoryError(f"{method.name} learns from deployed conversations; rounds.logs needs another method")
         loaded = loaded or load_model(config.model.name, config.model.device)
         critic_backbone = None
         if method.critic is not None:
@@ -199,9 +198,6 @@ class RoundsTrainer(Trainer):
 
     # one round
 
-    def turns_path(self, round_index: int) -> Path:
-        return self.run_dir / "rounds" / f"turns-{round_index:06d}.parquet"
-
     def _online(self, what: str) -> None:
         if self.offline:
             raise RuntimeError(f"{what} while the policy improves offline (docs/algorithms.md 5.2 forbids it)")
@@ -224,11 +220,11 @@ class RoundsTrainer(Trainer):
                     "logs/outcomes_unmatched": float(served.outcomes_unmatched),
                 }
             if episodes:  # kept with the run, so later rounds can replay them (ArCHer's buffer)
-                write_episodes(self.run_dir / "episodes" / "iter-000000.parquet", episodes)
+                write_episodes(self.run_dir.episodes(0), episodes)
             return turns, episodes
         episodes = self.play(self.specs(round_index))
         self.simulator_episodes += len(episodes)
-        write_episodes(self.run_dir / "episodes" / f"iter-{round_index:06d}.parquet", episodes)
+        write_episodes(self.run_dir.episodes(round_index), episodes)
         return logged_turns([ep for ep in episodes if not ep.judge_failed], round_index, rounds.gamma), episodes
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
@@ -241,7 +237,7 @@ class RoundsTrainer(Trainer):
         self.backend.reset_cache()
         if not turns:
             raise RepertoryError(f"round {iteration}: no logged agent turns with tokens to learn from")
-        write_turns(self.turns_path(iteration), turns)
+        write_turns(self.run_dir.turns(iteration), turns)
         line["time/deploy_s"] = time.perf_counter() - start
         if iteration == 0:
             line.update(self.served_counts)
@@ -279,9 +275,9 @@ class RoundsTrainer(Trainer):
         """Every round's logged turns and deployed conversations up to this one (read back from the run)."""
         all_turns, all_episodes = [], {}
         for k in range(round_index):
-            if self.turns_path(k).is_file():
-                all_turns += read_turns(self.turns_path(k), self.loaded.tokenizer, self.config.rounds.gamma)
-            deployed = self.run_dir / "episodes" / f"iter-{k:06d}.parquet"
+            if self.run_dir.turns(k).is_file():
+                all_turns += read_turns(self.run_dir.turns(k), self.loaded.tokenizer, self.config.rounds.gamma)
+            deployed = self.run_dir.episodes(k)
             if deployed.is_file():
                 all_episodes.update({ep.episode_id: ep for ep in read_episodes(deployed)})
         return all_turns + turns, {**all_episodes, **episodes}
@@ -369,7 +365,8 @@ def igrpo(
                 continue
             trainer.backend.offload()
             trainer.learner.score(batch)
-            stats = trainer.learner.update(batch, adv, None, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
+            batch.assign(adv)
+            stats = trainer.learner.update(batch, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
             trainer.sync()  # the next step samples its candidates from the updated policy
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
@@ -403,8 +400,9 @@ def st_grpo(
     )
     trainer.backend.offload()
     mismatch = trainer.learner.score(batch)
+    batch.assign(adv)
     mini = max(1, math.ceil(len(batch.sequences) / trainer.config.rounds.batch_size))
-    metrics = {**mismatch, **trainer.learner.update(batch, adv, None, f"st-grpo/{round_index}", epochs, mini)}
+    metrics = {**mismatch, **trainer.learner.update(batch, f"st-grpo/{round_index}", epochs, mini)}
     metrics["st-grpo/groups"] = float(sum(len(m) >= 2 for m in by_kernel.values()))
     return metrics
 
@@ -445,10 +443,10 @@ def mt_ppo(
     batch = collect(list(episodes.values()), trainer.config.algo.packing, trainer.config.algo.mask_truncated)
     trainer.backend.offload()
     mismatch = trainer.learner.score(batch)
-    advantages, returns, metrics = trainer.advantages(batch)
-    trainer.write_credit(round_index, batch, advantages, returns)
+    metrics = trainer.advantages(batch)
+    trainer.write_credit(round_index, batch)
     metrics.update(mismatch)
-    metrics.update(trainer.learner.update(batch, advantages, returns, f"mt-ppo/{round_index}", epochs))
+    metrics.update(trainer.learner.update(batch, f"mt-ppo/{round_index}", epochs))
     return metrics
 
 
@@ -474,9 +472,7 @@ def mt_kto(
     lambda_d, lambda_u = offline.kto_lambdas(n_d, n_u)
     metrics.update({"kto/desirable": float(n_d), "kto/undesirable": float(n_u), "kto/lambda_d": lambda_d})
     metrics["kto/lambda_u"] = lambda_u
-    ref = [
-        float(x.sum()) for x in trainer.learner.token_logps([(t.prompt_ids, t.response_ids) for t in samples], True)
-    ]
+    ref = [float(x.sum()) for x in trainer.learner.token_logps([(t.prompt_ids, t.response_ids) for t in samples], True)]
     losses = []
     for epoch in range(epochs):
         order = list(range(len(samples)))

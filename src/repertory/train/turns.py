@@ -126,7 +126,7 @@ def served_turns(served: ServedRead, where: str, tokenizer: Any, gamma: float) -
     if not served.rows:
         raise RepertoryError(
             f"{where}: none of its {served.conversations} conversations has an outcome yet; post them to "
-            "/v1/outcomes (README, Serving a policy)"
+            "/v1/outcomes (docs/guide.md, Serving a policy)"
         )
     rows = [{**row, "episode_id": row["conversation_id"]} for row in served.rows]
     return turns_from_rows(rows, set(rows[0]), where, gamma, len(tokenizer), _renderer(tokenizer))

@@ -20,34 +20,26 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from repertory.envs.base import Env
+from repertory.envs.checks.errors import PROPERTIES, EnvCheckError, short
+from repertory.envs.checks.kernels import check_kernels
 from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, default_lineups
-from repertory.envs.kernels import KERNELS_PER_SPLIT, MAX_RETRIES, generate_kernels, kernel_file_text, shipped_file
 from repertory.envs.parsing import clean
-from repertory.types import SPLITS, Kernel, Message, Result, StepResult, canonical_json, derive
+from repertory.types import SPLITS, Kernel, Message, Result, StepResult, derive
 
-PROPERTIES: dict[str, str] = {
-    "kernels": "kernels are valid, seeded, unique where required and regenerate byte for byte; "
-    "the validator reports broken kernels without raising",
-    "never-raises": "no text makes reset, step, validate, observe, view, result or metrics raise",
-    "validate-pure": "validate changes no state",
-    "view-pure": "view changes no state",
-    "validate-agrees": "validate accepts exactly what step counts as a valid action, always with a reason "
-    "when it refuses, and refuses roles that are not acting",
-    "action-choices": "every listed action choice validates",
-    "accounting": "acting roles are distinct roles; n_turns and n_invalid count the steps; outcomes lie in "
-    "[0, 1]; there is an end reason; metrics are JSON numbers",
-    "rewards-sum": "each role's rewards add up to its outcome; the step that ends the episode rewards every role",
-    "bots-valid": "bots never raise and never write an invalid action",
-    "prompts": "each role's chat opens with its system prompt",
-    "privacy": "no role's system prompt lines, private view text or simultaneous-phase text reach another role",
-    "termination": "episodes end within max_steps; then nobody acts, validate refuses and step raises RuntimeError",
-    "determinism": "replaying the same texts gives the same observations, step results and result",
-}
+__all__ = [
+    "PROBES",
+    "PROPERTIES",
+    "CheckSummary",
+    "EnvCheckError",
+    "Played",
+    "check_env",
+    "check_episode",
+    "check_kernels",
+]
 
 MIN_SECRET_CHARS = 16
 """Shorter private strings (names, numbers, single words) may legitimately recur in public text."""
 TOL = 1e-9
-REPORTED_STEPS = 6
 
 PROBES = (
     "",
@@ -70,42 +62,6 @@ PROBES = (
     "<pass/>",
 )
 """Texts ``validate`` sees for every role at every step of the bot episodes (a sample in fuzzed ones)."""
-
-
-class EnvCheckError(AssertionError):
-    """A conformance property failed. ``str(error)`` says which, on which environment, and how to
-    reproduce it; the attributes hold the same in full (``history``: the texts of every step so far,
-    the failing step last)."""
-
-    def __init__(
-        self,
-        env: str,
-        prop: str,
-        detail: str,
-        kernel: Kernel | None = None,
-        episode_seed: int | None = None,
-        history: list[dict[str, str]] | None = None,
-    ):
-        self.env, self.property, self.detail = env, prop, detail
-        self.kernel_id = kernel.id if kernel is not None else None
-        self.episode_seed, self.history = episode_seed, list(history or [])
-        lines = [f"{env}: {prop}: {detail}"]
-        if kernel is not None:
-            steps = len(self.history)
-            lines.append(
-                f"  reproduce: kernel {kernel.id}, episode_seed {episode_seed}, {steps} step{'s' * (steps != 1)}"
-            )
-            skipped = len(self.history) - REPORTED_STEPS
-            if skipped > 0:
-                lines.append(f"    ... {skipped} earlier steps (see .history)")
-            for i, texts in enumerate(self.history[-REPORTED_STEPS:], max(skipped, 0) + 1):
-                lines.append(f"    step {i}: {_short(texts)}")
-        super().__init__("\n".join(lines))
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 @dataclass(frozen=True)
@@ -183,90 +139,6 @@ def check_env(
 # -- kernels ----------------------------------------------------------------------------------------------
 
 
-def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
-    """The ``kernels`` property; returns both splits (the shipped files where the package has them)."""
-    name = env_class.name
-
-    def fail(detail: str) -> NoReturn:
-        raise EnvCheckError(name, "kernels", detail)
-
-    try:
-        generated = generate_kernels(env_class)
-    except Exception as exc:
-        raise EnvCheckError(name, "kernels", f"generating the kernels raised {exc!r}") from exc
-    out: dict[str, list[Kernel]] = {}
-    for split in SPLITS:
-        resource = shipped_file(name, split)
-        kernels = generated[split]
-        if resource.is_file():
-            shipped = resource.read_bytes()
-            expected = kernel_file_text(kernels).encode("utf-8")
-            if shipped != expected:
-                have, want = shipped.decode("utf-8", "replace").splitlines(), expected.decode().splitlines()
-                line = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
-                fail(
-                    f"shipped {split}.jsonl does not regenerate byte for byte: line {line + 1} is "
-                    f"{_short(have[line] if line < len(have) else None)}, generation gives "
-                    f"{_short(want[line] if line < len(want) else None)} (python -m repertory.envs {name})"
-                )
-            kernels = [Kernel.from_json(line) for line in shipped.decode("utf-8").splitlines()]
-        if len(kernels) != KERNELS_PER_SPLIT:
-            fail(f"{split} has {len(kernels)} kernels, not {KERNELS_PER_SPLIT}")
-        for i, k in enumerate(kernels):
-            if (k.id, k.env, k.split, k.index) != (f"{name}/{split}/{i:03d}", name, split, i):
-                fail(f"kernel {i} of {split} is labelled {k.id} ({k.env}, {k.split}, {k.index})")
-            if Kernel.from_json(k.to_json()) != k:
-                fail(f"kernel {k.id} does not survive a JSON round trip")
-            problems = _kernel_problems(env_class, k.data, k.id)
-            if problems:
-                fail(f"kernel {k.id} is invalid: {'; '.join(problems)}")
-            if env_class.draw_kernel(random.Random(k.seed), split) != k.data:
-                fail(f"kernel {k.id}: draw_kernel(Random(seed), {split!r}) does not give its data")
-        out[split] = kernels
-    # The seed is the first draw whose content is new (docs/environments.md 1.5; train before held-out).
-    seen: dict[str, str] = {}
-    for k in out["train"] + out["heldout"]:
-        retry = next((r for r in range(MAX_RETRIES + 1) if k.seed == _seed(name, k.split, k.index, r)), None)
-        if retry is None:
-            fail(f"kernel {k.id} has seed {k.seed}, neither derive('repertory', ...) nor one of its retries")
-        if retry and not env_class.unique_kernels:
-            fail(f"kernel {k.id} was redrawn (retry {retry}) although unique_kernels is off")
-        for r in range(retry):
-            redrawn = env_class.draw_kernel(random.Random(_seed(name, k.split, k.index, r)), k.split)
-            if canonical_json(redrawn) not in seen:
-                fail(f"kernel {k.id} took retry {retry}, but draw {r} was already new")
-        earlier = seen.setdefault(canonical_json(k.data), k.id)
-        if env_class.unique_kernels and earlier != k.id:
-            fail(f"kernels {earlier} and {k.id} have the same content (unique_kernels is set)")
-    # Fields every kernel has are required, and those never null must not be null.
-    every = out["train"] + out["heldout"]
-    good = every[0].data
-    required = [key for key in good if all(key in k.data for k in every)]
-    broken = [("{}", {})]
-    broken += [(f"the kernel without {key!r}", {k: v for k, v in good.items() if k != key}) for key in required]
-    never_null = [key for key in required if all(k.data[key] is not None for k in every)]
-    broken += [(f"the kernel with {key!r} = None", {**good, key: None}) for key in never_null]
-    for what, data in broken:
-        if not _kernel_problems(env_class, data, what):
-            fail(f"validate_kernel finds no problem with {what} (built from {every[0].id})")
-    return out
-
-
-def _kernel_problems(env_class: type[Env], data: dict[str, Any], what: str) -> list[str]:
-    try:
-        problems = env_class.validate_kernel(data)
-    except Exception as exc:
-        raise EnvCheckError(env_class.name, "kernels", f"validate_kernel({what}) raised {exc!r}") from exc
-    if not isinstance(problems, list) or not all(isinstance(p, str) for p in problems):
-        raise EnvCheckError(env_class.name, "kernels", f"validate_kernel({what}) returned {_short(problems)}")
-    return problems
-
-
-def _seed(name: str, split: str, i: int, retry: int) -> int:
-    """Kernel i's seed for its first draw (retry 0) or its uniqueness retry ``retry``."""
-    return derive("repertory", name, split, i, "retry", retry) if retry else derive("repertory", name, split, i)
-
-
 # -- episodes ---------------------------------------------------------------------------------------------
 
 
@@ -337,30 +209,8 @@ def check_episode(
                 texts[role] = f"{texts[role]} {marker}"
         delivered += [(role, clean(text, env.max_chars(role))) for role, text in texts.items()]
         ok = _check_pure_calls(env, check, texts, acting, probes, view_text)
-        result = check.call(f"step({_short(texts)})", env.step, texts, pending=texts)
-        if not isinstance(result, StepResult) or sorted(result.parsed) != sorted(acting):
-            check.fail("accounting", f"step returned {_short(result)}, not a StepResult parsing {acting}", texts)
-        for role in acting:
-            bad = result.parsed[role].invalid
-            if ok[role] == bad:
-                check.fail(
-                    "validate-agrees",
-                    f"validate({role!r}, {_short(texts[role])}) said {ok[role]} but step "
-                    f"counted the text as {'invalid' if bad else 'valid'} ({result.parsed[role].error})",
-                    texts,
-                )
-            if bots_valid and bad:
-                check.fail(
-                    "bots-valid",
-                    f"the bot in {role!r} wrote an invalid action: {_short(texts[role])} ({result.parsed[role].error})",
-                    texts,
-                )
-            turns[role] += 1
-            invalid[role] += bool(bad)
-        for role, reward in result.rewards.items():
-            if role not in rewards or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-                check.fail("accounting", f"step emitted reward {reward!r} for {role!r}", texts)
-            rewards[role] += reward
+        result = check.call(f"step({short(texts)})", env.step, texts, pending=texts)
+        _count_step(check, result, texts, ok, bots_valid, (rewards, turns, invalid))
         played.texts.append(texts)
         played.steps.append(result)
     for role in roles:
@@ -371,9 +221,41 @@ def check_episode(
     for role in roles:
         opening = played.observations[role][:1]
         if opening != [Message("system", env.system_prompt(role))]:
-            check.fail("prompts", f"{role}'s first message is {_short(opening)}, not its system prompt")
+            check.fail("prompts", f"{role}'s first message is {short(opening)}, not its system prompt")
     _check_privacy(env, check, played, markers, delivered, view_text)
     return played
+
+
+def _count_step(
+    check: _Checker,
+    result: Any,
+    texts: dict[str, str],
+    ok: dict[str, bool],
+    bots_valid: bool,
+    tallies: tuple[dict[str, float], dict[str, int], dict[str, int]],
+) -> None:
+    """Check one step's result against ``validate``'s verdicts and add its rewards, turns and invalid actions
+    to ``tallies`` (per role)."""
+    rewards, turns, invalid = tallies
+    acting = list(texts)
+    if not isinstance(result, StepResult) or sorted(result.parsed) != sorted(acting):
+        check.fail("accounting", f"step returned {short(result)}, not a StepResult parsing {acting}", texts)
+    for role in acting:
+        bad, error = result.parsed[role].invalid, result.parsed[role].error
+        if ok[role] == bad:
+            verdict = "invalid" if bad else "valid"
+            message = f"validate({role!r}, {short(texts[role])}) said {ok[role]} but step counted the text as"
+            check.fail("validate-agrees", f"{message} {verdict} ({error})", texts)
+        if bots_valid and bad:
+            check.fail(
+                "bots-valid", f"the bot in {role!r} wrote an invalid action: {short(texts[role])} ({error})", texts
+            )
+        turns[role] += 1
+        invalid[role] += bool(bad)
+    for role, reward in result.rewards.items():
+        if role not in rewards or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            check.fail("accounting", f"step emitted reward {reward!r} for {role!r}", texts)
+        rewards[role] += reward
 
 
 def _check_pure_calls(
@@ -394,7 +276,7 @@ def _check_pure_calls(
         if role not in acting and ok:
             check.fail(
                 "validate-agrees",
-                f"validate({role!r}, {_short(text)}) accepted a role that is not acting (acting: {acting})",
+                f"validate({role!r}, {short(text)}) accepted a role that is not acting (acting: {acting})",
                 texts,
             )
         verdict.setdefault(role, ok)
@@ -403,7 +285,7 @@ def _check_pure_calls(
         for choice in random.Random(len(check.played.texts)).sample(choices, min(3, len(choices))) if choices else []:
             if not _validate(env, check, role, choice, texts)[0]:
                 check.fail(
-                    "action-choices", f"action_choices({role!r}) lists {_short(choice)}, which validate refuses", texts
+                    "action-choices", f"action_choices({role!r}) lists {short(choice)}, which validate refuses", texts
                 )
     after_validate = _diff(before, vars(env))
     for role in env.roles:
@@ -425,15 +307,15 @@ def _snapshot(env: Env, check: _Checker) -> dict[str, Any]:
 
 
 def _validate(env: Env, check: _Checker, role: str, text: str, texts: dict[str, str] | None) -> tuple[bool, str]:
-    answer = check.call(f"validate({role!r}, {_short(text)})", env.validate, role, text, pending=texts)
+    answer = check.call(f"validate({role!r}, {short(text)})", env.validate, role, text, pending=texts)
     if not (
         isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool) and isinstance(answer[1], str)
     ):
         check.fail(
-            "validate-agrees", f"validate({role!r}, {_short(text)}) returned {_short(answer)}, not (bool, str)", texts
+            "validate-agrees", f"validate({role!r}, {short(text)}) returned {short(answer)}, not (bool, str)", texts
         )
     if not answer[0] and not answer[1].strip():
-        check.fail("validate-agrees", f"validate({role!r}, {_short(text)}) refused without a reason", texts)
+        check.fail("validate-agrees", f"validate({role!r}, {short(text)}) refused without a reason", texts)
     return answer
 
 
@@ -448,7 +330,7 @@ def _culprit(env: Env, check: _Checker, calls: list[tuple[str, str]]) -> str | N
             fresh.validate(role, text)
             changed = _diff(before, vars(fresh))
             if changed is not None:
-                return f"validate({role!r}, {_short(text)}) changed {changed}"
+                return f"validate({role!r}, {short(text)}) changed {changed}"
     except Exception:  # a replay that goes differently cannot point at the call; the caller reports the change
         return None
     return None
@@ -498,7 +380,7 @@ def _check_end(
     except (TypeError, ValueError, AttributeError):
         numeric = False
     if not numeric:
-        check.fail("accounting", f"metrics() is {_short(metrics)}, not a dict of finite numbers")
+        check.fail("accounting", f"metrics() is {short(metrics)}, not a dict of finite numbers")
     return result
 
 
@@ -538,7 +420,7 @@ def _check_privacy(
             private = {s for s in lines | views if len(s) >= MIN_SECRET_CHARS} - view_text[role]
             for secret in sorted(private, key=len, reverse=True):
                 if secret not in prompts[role] and secret in heard:
-                    check.fail("privacy", f"{owner}'s private text {_short(secret, 120)} reached {role}")
+                    check.fail("privacy", f"{owner}'s private text {short(secret, 120)} reached {role}")
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -602,4 +484,4 @@ def _diff(a: Any, b: Any, path: str = "env", depth: int = 0) -> str | None:
         return None if a.getstate() == b.getstate() else f"{path} (its random state advanced)"
     if hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:
         return _diff(vars(a), vars(b), path, depth + 1)
-    return None if a == b else f"{path} ({_short(a, 80)} became {_short(b, 80)})"
+    return None if a == b else f"{path} ({short(a, 80)} became {short(b, 80)})"

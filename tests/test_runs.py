@@ -1,0 +1,97 @@
+"""The run directory: one class spells every path, names runs after their method, resumes cleanly."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from repertory.config import load_config
+from repertory.runs import RunDir, new_run_dir, resolve_checkpoint
+from repertory.types import RepertoryError
+
+
+def test_paths_are_spelled_once(tmp_path):
+    run = RunDir(tmp_path / "r")
+    assert run.config == tmp_path / "r" / "config.yaml"
+    assert run.metrics == tmp_path / "r" / "metrics.jsonl"
+    assert run.episodes(3) == tmp_path / "r" / "episodes" / "iter-000003.parquet"
+    assert run.credit(12) == tmp_path / "r" / "credit" / "iter-000012.parquet"
+    assert run.turns(1) == tmp_path / "r" / "rounds" / "turns-000001.parquet"
+    assert run.snapshot(20) == tmp_path / "r" / "snapshots" / "000020.safetensors"
+    assert run.checkpoint(7) == tmp_path / "r" / "checkpoints" / "000007"
+    assert run.page == tmp_path / "r" / "report" / "index.html"
+    assert run.served == tmp_path / "r" / "served"
+    assert Path(run) == tmp_path / "r" and str(run) == str(tmp_path / "r") and RunDir(run) == run
+
+
+def test_numbered_files_are_read_by_number(tmp_path):
+    run = RunDir(tmp_path)
+    for k in (10, 2, 0):
+        run.episodes(k).parent.mkdir(exist_ok=True)
+        run.episodes(k).write_bytes(b"")
+        run.snapshot(k).parent.mkdir(exist_ok=True)
+        run.snapshot(k).write_bytes(b"")
+    (tmp_path / "episodes" / "iter-notes.parquet").write_bytes(b"")
+    (tmp_path / "snapshots" / ".tmp-000011.safetensors-99").write_bytes(b"")
+    assert run.iteration_files("episodes") == [run.episodes(0), run.episodes(2), run.episodes(10)]
+    assert run.snapshots() == [0, 2, 10]
+    assert RunDir(tmp_path / "absent").snapshots() == [] and RunDir(tmp_path / "absent").iteration_files("credit") == []
+
+
+def test_truncate_after_keeps_what_the_checkpoint_covers(tmp_path):
+    run = RunDir(tmp_path)
+    run.create("seed: 0\n")
+    for k in range(3):
+        run.episodes(k).write_bytes(b"e")
+        run.credit(k).parent.mkdir(exist_ok=True)
+        run.credit(k).write_bytes(b"c")
+    run.metrics.write_text("".join(json.dumps({"iteration": k}) + "\n" for k in range(3)) + '{"iteration": 3, "tor')
+    run.checkpoints_dir.mkdir()
+    (run.checkpoints_dir / ".tmp-000002-123").mkdir()
+    run.truncate_after(2)
+    assert run.iteration_files("episodes") == [run.episodes(0), run.episodes(1)]
+    assert run.iteration_files("credit") == [run.credit(0), run.credit(1)]
+    assert [json.loads(x)["iteration"] for x in run.metrics.read_text().splitlines()] == [0, 1]
+    assert not list(run.checkpoints_dir.iterdir())
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    run = RunDir(tmp_path)
+    for done in (1, 2, 3):
+        run.write_checkpoint(done, lambda d, done=done: (d / "state.txt").write_text(str(done)), keep=2)
+    (run.checkpoints_dir / "000004").mkdir()  # a checkpoint killed before COMPLETE
+    assert [c.name for c in run.complete_checkpoints()] == ["000002", "000003"]
+    run.create("iterations: 3\n")
+    checkpoint, config = resolve_checkpoint(run.root)
+    assert checkpoint == run.checkpoint(3) and (checkpoint / "state.txt").read_text() == "3"
+    assert config.iterations == 3
+    assert resolve_checkpoint(run.checkpoint(2))[0] == run.checkpoint(2)
+
+
+def test_existing_refuses_a_folder_without_config(tmp_path):
+    with pytest.raises(RepertoryError, match=r"^\S+ is not a run directory \(no config.yaml\)$"):
+        RunDir.existing(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "prefix"),
+    [
+        ("igrpo-craigslist", [], "igrpo-craigslist-"),  # was omar-craigslist-: named after algo.estimator
+        ("igrpo-craigslist", ["rounds.method=mt-kto"], "mt-kto-craigslist-"),
+        ("adalign-ipd", [], "adalign-ipd-"),
+        (None, [], "omar-ipd-"),
+    ],
+)
+def test_runs_are_named_after_their_method(tmp_path, recipe, overrides, prefix):
+    config = load_config(recipe, [*overrides, f"output_dir={tmp_path}"])
+    run = new_run_dir(config)
+    assert run.name.startswith(prefix) and run.root.parent == tmp_path
+    run.create("seed: 0\n")
+    second = new_run_dir(config)  # within the same second: a suffix, never the same folder
+    assert second != run and second.name.startswith(prefix)
+
+
+def test_a_run_directory_is_a_path_for_the_users_own_files(tmp_path):
+    run = RunDir(tmp_path / "r")
+    assert run / "notes.txt" == tmp_path / "r" / "notes.txt"
+    assert run / "episodes" / "iter-000000.parquet" == run.episodes(0)
