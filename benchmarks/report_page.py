@@ -24,6 +24,7 @@ from repertory.agents.resolve import make_agent
 from repertory.envs import env_class
 from repertory.report.page import write_page
 from repertory.rollout import run_episodes, schedule
+from repertory.runs import RunDir
 from repertory.store import write_credit, write_episodes
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -34,10 +35,9 @@ def build_run(root: Path, env: str, episodes: int, iterations: int) -> Path:
     """A run directory of ``episodes`` bot games over ``iterations``, every turn credited."""
     cls = env_class(env)
     bot = make_agent(next(iter(cls.bots)), cls)
-    run = root / "run"
-    (run / "config.yaml").parent.mkdir(parents=True)
-    (run / "config.yaml").write_text(f"rollout:\n  env: {env}\n")
-    (run / "metrics.jsonl").write_text(
+    run = RunDir(root / "run")
+    run.create(f"rollout:\n  env: {env}\n")
+    run.metrics.write_text(
         "".join(json.dumps({"iteration": i, "outcome": 0.4 + 0.01 * i, "loss/policy": 1.0 / (i + 1)}) + "\n"
                 for i in range(iterations))
     )  # fmt: skip
@@ -45,14 +45,14 @@ def build_run(root: Path, env: str, episodes: int, iterations: int) -> Path:
     for i in range(iterations):
         played = run_episodes(schedule(env, [bot] * len(cls.roles), per, seed=i))
         played = [dataclasses.replace(ep, iteration=i, episode_id=f"{ep.episode_id}/it{i}") for ep in played]
-        write_episodes(run / "episodes" / f"iter-{i:06d}.parquet", played)
+        write_episodes(run.episodes(i), played)
         rows = [
             {"episode_id": ep.episode_id, "seat_id": t.seat_id, "turn_index": t.turn_index,
              "advantage": 0.1 * (k % 7 - 3), "return": 0.5}
             for ep in played for k, t in enumerate(ep.turns)
         ]  # fmt: skip
-        write_credit(run / "credit" / f"iter-{i:06d}.parquet", rows)
-    return run
+        write_credit(run.credit(i), rows)
+    return run.root
 
 
 def measure(run: Path, max_episodes: int, browser) -> dict[str, float]:

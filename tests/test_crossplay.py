@@ -392,6 +392,8 @@ def test_eval_crossplay_json_with_out_keeps_stdout_json(capsys, tmp_path):
         (["eval", "base", "-e", "ipd", "--agents", LINE_UP], "No such option: --agents"),
         (["eval", "policy", "base", "--victim", "random"], "No such option: --victim"),
         (["eval", "--env", "ipd", "base", "-n", "0"], "--episodes must be at least 1"),  # options may come first
+        (["eval", "-e", "ipd", "crossplay", "-a", "tit-for-tat"], "at least two agents"),  # before a sub-command too
+        (["eval", "crosplay", "-e", "ipd"], "no sub-command 'crosplay' of eval (nor a run directory); did you mean"),
         (["eval", "runs/x", "--out", "figs"], "No such option: --out"),
     ],
 )

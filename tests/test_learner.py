@@ -242,6 +242,20 @@ def test_first_minibatch_ratio_is_one_and_no_token_is_clipped(tokenizer, episode
     assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_an_update_needs_a_scored_batch_with_advantages(tokenizer, episodes):
+    learner = _learner(tokenizer, critic=False)
+    batch = collect(episodes)
+    with pytest.raises(ValueError, match=r"were not scored: call Learner.score\(batch\) before update"):
+        learner.update(batch, iteration=0)
+    learner.score(batch)
+    with pytest.raises(ValueError, match=r"have no advantages: call batch.assign"):
+        learner.update(batch, iteration=0)
+    scored = sorted(batch.experience)
+    with pytest.raises(ValueError, match=f"sample {scored[0]} was scored but has no advantages"):
+        batch.assign({i: torch.zeros(batch.samples[i].n_tokens) for i in scored[1:]})
+    assert all(x.advantages is None for x in batch.experience.values())  # nothing assigned by a refused call
+
+
 def test_a_step_that_cannot_move_the_policy_is_skipped(tokenizer, episodes):
     learner = _learner(tokenizer, critic=False, mini_batches=2, lr=1e-2, beta_kl=0.1)
     initial = [p.detach().clone() for p in learner.trainable_parameters()]

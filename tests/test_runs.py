@@ -95,3 +95,13 @@ def test_a_run_directory_is_a_path_for_the_users_own_files(tmp_path):
     run = RunDir(tmp_path / "r")
     assert run / "notes.txt" == tmp_path / "r" / "notes.txt"
     assert run / "episodes" / "iter-000000.parquet" == run.episodes(0)
+
+
+def test_a_run_directory_travels_to_workers_and_processes(tmp_path):
+    import pickle
+
+    run = RunDir(tmp_path / "r")
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        copy = pickle.loads(pickle.dumps(run, protocol))
+        assert copy == run and copy.snapshot(3) == run.snapshot(3)
+    assert RunDir.of_checkpoint(run.checkpoint(4)) == run

@@ -329,7 +329,7 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
         # the step's inputs, not its cost: log-probs as if recomputed, so only the optimisation step is timed
         for i, sample in enumerate(batch.samples):
             if sample.trained:
-                logp = torch.tensor(sample.logp_sample)
+                logp = torch.tensor(sample.logp_sample, device=learner.device)
                 advantages = torch.randn(sample.n_tokens)
                 batch.experience[i] = Experience(logp, logp, torch.ones_like(logp), advantages=advantages)
         start = time.perf_counter()

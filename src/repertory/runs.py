@@ -80,6 +80,11 @@ class RunDir:
             raise RepertoryError(f"{run.root} is not a run directory (no config.yaml)")
         return run
 
+    @classmethod
+    def of_checkpoint(cls, checkpoint: str | os.PathLike[str]) -> RunDir:
+        """The run a checkpoint directory (``RUN/checkpoints/NNNNNN``) belongs to."""
+        return cls(Path(checkpoint).parent.parent)
+
     def is_run(self) -> bool:
         return self.config.is_file()
 
@@ -233,7 +238,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig]:
         if not checkpoints:
             raise RepertoryError(f"run {run} has no complete checkpoint yet")
         return checkpoints[-1], load_config(str(run.config))
-    owner = RunDir(Path(path).parent.parent)
+    owner = RunDir.of_checkpoint(path)
     if (Path(path) / COMPLETE).is_file() and owner.is_run():
         return Path(path), load_config(str(owner.config))
     raise RepertoryError(f"{path} is neither a run directory (config.yaml) nor a complete checkpoint (COMPLETE)")

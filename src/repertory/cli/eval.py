@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -10,7 +11,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import click
 import typer
 from rich.table import Table
 from typer.core import TyperGroup
@@ -123,13 +123,28 @@ def _workers(n: int, env: str, lineup: Callable[[], dict]) -> Iterator[Any]:
 
 
 class _EvalGroup(TyperGroup):
-    """``repertory eval RUN`` is ``repertory eval policy RUN``: arguments that do not start with a sub-command's
-    name go to ``policy``, so a run directory (or ``base``) needs no sub-command."""
+    """``repertory eval RUN`` is ``repertory eval policy RUN``: arguments that name no sub-command go to
+    ``policy``, so a run directory (or ``base``) needs none. Options may come before a sub-command's name
+    (``eval --env ipd crossplay ...``); a first word one letter off a sub-command is refused with its name."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
-            args = ["policy", *args]
+            named = next((a for a in args if a in self.commands), None)
+            if named is not None and args[0].startswith("-"):
+                rest = list(args)
+                rest.remove(named)
+                args = [named, *rest]
+            else:
+                self._refuse_typo(args[0])
+                args = ["policy", *args]
         return super().parse_args(ctx, args)
+
+    def _refuse_typo(self, word: str) -> None:
+        if word.startswith("-") or Path(word).exists():
+            return
+        close = difflib.get_close_matches(word, [c for c in self.commands if c != "policy"], n=1, cutoff=0.8)
+        if close:
+            raise RepertoryError(f"no sub-command {word!r} of eval (nor a run directory); did you mean {close[0]}?")
 
 
 eval_app = typer.Typer(

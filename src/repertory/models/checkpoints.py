@@ -7,22 +7,23 @@ from typing import Any
 
 from repertory.config import TrainConfig
 from repertory.models import LoadedModel, load_model, save_checkpoint
-from repertory.runs import resolve_checkpoint
+from repertory.runs import RunDir, resolve_checkpoint
 from repertory.types import RepertoryError
 
 
 def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None) -> LoadedModel:
     """The trained policy of a checkpoint as one plain model (LoRA adapters merged into the base)."""
     policy = checkpoint / "policy"
+    name = f"{RunDir.of_checkpoint(checkpoint).name}@{int(checkpoint.name)}"
     if (policy / "adapter_config.json").is_file():
         from peft import PeftModel
 
         loaded = load_model(config.model.name, device or config.model.device)
         merged = PeftModel.from_pretrained(loaded.model, str(policy)).merge_and_unload()
         merged.eval()
-        return LoadedModel(merged, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+        return LoadedModel(merged, loaded.tokenizer, name)
     loaded = load_model(str(policy), device or config.model.device)
-    return LoadedModel(loaded.model, loaded.tokenizer, f"{checkpoint.parent.parent.name}@{int(checkpoint.name)}")
+    return LoadedModel(loaded.model, loaded.tokenizer, name)
 
 
 def load_adapter(peft: Any, name: str, file: Path, live: str = "default") -> str:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +157,7 @@ class ResultsTable:
         return "\n".join(rows) + "\n"
 
 
-def results_table(runs: list[str | Path], checkpoint: str = "best") -> ResultsTable:
+def results_table(runs: Sequence[str | os.PathLike[str]], checkpoint: str = "best") -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J of each seed's best
     (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial policies."""
     if checkpoint not in ("best", "last"):

@@ -29,7 +29,7 @@ from repertory.generation import Backend, SamplingParams, make_backend
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.models.checkpoints import load_policy
-from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
+from repertory.runs import RunDir, is_run_or_checkpoint, resolve_checkpoint
 from repertory.serve.batching import Batcher, Job
 from repertory.serve.protocol import (
     ChatInput,
@@ -71,10 +71,10 @@ def load_served_policy(
     path = spec.removeprefix("model:")
     if spec != "base" and is_run_or_checkpoint(path):
         checkpoint, config = resolve_checkpoint(path)
-        run = checkpoint.parent.parent  # RUN/checkpoints/STEP
+        run = RunDir.of_checkpoint(checkpoint)
         engine = make_backend(backend or config.rollout.backend, load_policy(checkpoint, config, device))
         step = int(checkpoint.name)
-        return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}", run)
+        return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}", run.root)
     if spec == "base":
         return ServedPolicy(make_backend(backend or "hf", load_model(model, device)), name or "base", "base")
     if spec.startswith("model:") and path:

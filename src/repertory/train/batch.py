@@ -79,14 +79,15 @@ class Batch:
     def assign(self, advantages: dict[int, torch.Tensor], returns: dict[int, torch.Tensor] | None = None) -> None:
         """Attach each scored sample's per-token advantages (and critic targets); entries of samples without
         tokens to train are ignored, a scored sample without advantages is an error."""
-        for index, experience in self.experience.items():
-            if index not in advantages:
-                raise ValueError(f"sample {index} was scored but has no advantages")
-            experience.advantages = advantages[index]
-            experience.returns = returns[index] if returns is not None else None
+        missing = [i for i in self.experience if i not in advantages]
+        if missing:
+            raise ValueError(f"sample {missing[0]} was scored but has no advantages")
         unscored = [i for i in advantages if i not in self.experience and self.samples[i].n_tokens]
         if unscored:
             raise ValueError(f"samples {unscored[:5]} have advantages but were not scored (Learner.score)")
+        for index, experience in self.experience.items():
+            experience.advantages = advantages[index]
+            experience.returns = returns[index] if returns is not None else None
 
     def credit_rows(self) -> list[dict[str, object]]:
         """Each trained turn's mean advantage and final critic target, by episode, seat and turn (``credit/``)."""

@@ -271,6 +271,12 @@ class Learner:
         means over the steps taken, and ``skipped_frac``, the share of steps skipped because nothing could move
         the policy yet (see :meth:`_flat`)."""
         algo = self.algo
+        unready = [i for seq in batch.sequences for i, _ in seq.spans if i not in batch.experience]
+        if unready:
+            raise ValueError(f"samples {unready[:5]} were not scored: call Learner.score(batch) before update")
+        unready = [i for i, x in batch.experience.items() if x.advantages is None]
+        if unready:
+            raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
         totals: dict[str, float] = {}
         steps = skipped = 0
         for epoch in range(epochs or algo.ppo_epochs):
