@@ -67,7 +67,7 @@ def throughput(loaded: LoadedModel, kind: str, batch: int, new_tokens: int) -> d
     out = backend.generate(prompts, params, list(range(batch)))
     seconds = time.perf_counter() - start
     backend.close()
-    generated = sum(len(g.token_ids) for g in out)
+    generated = sum(len(g.response_ids) for g in out)
     return {"start_seconds": start_s, "seconds": seconds, "generated_tokens": generated, "tok_s": generated / seconds}
 
 

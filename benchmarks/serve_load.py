@@ -157,7 +157,7 @@ def main() -> None:
     began, generated = time.perf_counter(), 0
     for n in range(3):
         out = backend.generate(prompts, params, [n * 100 + k for k in range(len(prompts))])
-        generated += sum(len(g.token_ids) for g in out)
+        generated += sum(len(g.response_ids) for g in out)
     elapsed = time.perf_counter() - began
     result["limit_in_process"] = {
         "requests_per_s": round(3 * len(prompts) / elapsed, 2),

@@ -12,7 +12,7 @@ from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory import algos
-from repertory.algos import EstimatorParams, TrajectoryInput, estimators, losses
+from repertory.algos import AlignmentParams, TrajectoryInput, estimators, losses
 from repertory.cli import main
 from repertory.config import load_config
 from repertory.experiments import exploit_gain_loss
@@ -22,7 +22,7 @@ from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
 from repertory.types import RepertoryError
 
-AA1 = EstimatorParams(round_gamma=0.96, aa_gamma=0.96, aa_beta=2.0, reward_constant=100.0)
+AA1 = AlignmentParams(gamma=0.96, aa_gamma=0.96, aa_beta=2.0, reward_constant=100.0)
 
 
 def _traj(episode, points, opponent_points, seat="p0", group="g", env="trust-and-split", rounds=None):
@@ -107,7 +107,7 @@ def test_credits_reach_every_token_of_their_round():
 
 
 def test_state_visitation_discount_multiplies_round_t_by_gamma_t():
-    params = EstimatorParams(**{**AA1.__dict__, "discount_state_visitation": True})
+    params = AlignmentParams(**{**AA1.__dict__, "discount_state_visitation": True})
     credits, _ = _credits("naive", _aa1_batch(), params)
     assert credits[0] == pytest.approx([0.5178, 0.3050 * 0.96, 0.5 * 0.96**2], abs=1e-4)
 
@@ -137,7 +137,7 @@ def test_singleton_crn_groups_pool_the_batch_per_seat_and_side():
         _traj(2, [0, 1], [5, 1], seat="p1", group="c", env="ipd"),
         _traj(3, [1, 1], [1, 1], seat="p1", group="d", env="ipd"),
     ]
-    params = EstimatorParams(round_gamma=0.0, reward_constant=1.0, aa_beta=1.0, aa_gamma=1.0)
+    params = AlignmentParams(gamma=0.0, reward_constant=1.0, aa_beta=1.0, aa_gamma=1.0)
     metrics: dict[str, float] = {}
     pairs = estimators._round_advantages(batch, params, metrics)
     assert pairs[0][0] == [-2.0, -2.0] and pairs[1][0] == [2.0, 2.0]
@@ -180,7 +180,7 @@ def test_round_estimators_refuse_games_without_rounds_and_bad_rounds():
 
 
 def test_strict_mode_refuses_a_lone_match():
-    params = EstimatorParams(**{**AA1.__dict__, "strict": True})
+    params = AlignmentParams(**{**AA1.__dict__, "strict": True})
     with pytest.raises(RepertoryError, match="single match"):
         algos.get_estimator("naive").fn([_traj(0, [1, 2], [2, 1])], params, {})
 
@@ -205,9 +205,9 @@ def _aa_config(tmp_path, name, *extra):
             "rollout.kernels_per_iteration=4",
             "rollout.episodes_per_kernel=1",
             "eval.episodes=0",
-            "algo.estimator=adalign",
+            "method.kind=adalign",
             "algo.policy_loss=tis",
-            "algo.reward_constant=5",
+            "method.reward_constant=5",
             "algo.mini_batches=1",
             "algo.lr=1e-3",
             *extra,
@@ -246,7 +246,9 @@ def test_episodes_carry_raw_round_points_for_the_estimators(tmp_path, tokenizer)
 
 
 def test_opponent_pool_snapshots_alternating_seats_and_adapter_switching(tmp_path, tokenizer):
-    config = _aa_config(tmp_path, "pool", "rollout.opponent=pool", "pool.snapshot_every=1", "pool.p_snapshot=0.75")
+    config = _aa_config(
+        tmp_path, "pool", "rollout.opponent=pool", "method.pool.snapshot_every=1", "method.pool.p_snapshot=0.75"
+    )
     trainer = start_run(config, tiny_model(tokenizer, seed=2))
     trainable_before = {n for n, p in trainer.learner.peft.named_parameters() if p.requires_grad}
     run_dir = trainer.fit()
@@ -269,7 +271,7 @@ class _Stop(Exception):
 
 
 def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, tokenizer):
-    extra = ("rollout.opponent=pool", "pool.snapshot_every=1", "pool.p_snapshot=0.5", "iterations=3")
+    extra = ("rollout.opponent=pool", "method.pool.snapshot_every=1", "method.pool.p_snapshot=0.5", "iterations=3")
     straight = start_run(_aa_config(tmp_path, "straight", *extra), tiny_model(tokenizer, seed=2))
     straight.fit()
     interrupted = start_run(_aa_config(tmp_path, "interrupted", *extra), tiny_model(tokenizer, seed=2))
@@ -301,7 +303,9 @@ def test_a_snapshot_answers_with_its_own_weights(tmp_path, tokenizer):
     from repertory.agents import Request
     from repertory.types import Message
 
-    config = _aa_config(tmp_path, "weights", "rollout.opponent=pool", "pool.p_snapshot=1", "rollout.max_new_tokens=8")
+    config = _aa_config(
+        tmp_path, "weights", "rollout.opponent=pool", "method.pool.p_snapshot=1", "rollout.max_new_tokens=8"
+    )
     trainer = start_run(config, tiny_model(tokenizer, seed=2))
     trainer.fit()  # snapshot 0 is the initial adapter (= the base model); the live adapter has moved since
     (snapshot,) = trainer.pool.serve(1)
@@ -388,8 +392,8 @@ def test_naive_self_play_drifts_to_defection_while_adalign_keeps_cooperating(tmp
         config = _aa_config(
             tmp_path,
             estimator,
-            f"algo.estimator={estimator}",
-            "algo.aa_beta=2",
+            f"method.estimator={estimator}",
+            "method.aa_beta=2",
             "algo.beta_kl=0",
             "algo.lr=3e-3",
             "model.lora.enabled=false",

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from repertory.algos import ESTIMATORS, EstimatorParams, TrajectoryInput, get_estimator, register_estimator, whiten
+from repertory.algos import ESTIMATORS, TrajectoryInput, TurnParams, get_estimator, register_estimator, whiten
 from repertory.algos.losses import (
     AGGREGATIONS,
     aggregate,
@@ -65,7 +65,7 @@ def scalars(estimate) -> list[float]:
 
 # ----- O1-O3: OMAR on the 2-seat, 3-turn example ---------------------------------------------------------------
 
-O_PARAMS = EstimatorParams(gamma_turn=0.9, lambda_turn=0.8, gamma_token=1.0, lambda_token=0.9, gamma=1.0, lam=0.9)
+O_PARAMS = TurnParams(gamma=0.9, lambda_turn=0.8, gamma_token=1.0, lambda_token=0.9, lam=0.9)
 V_A = [[0.20, 0.30], [0.35, 0.40, 0.50], [0.60, 0.70]]
 V_B = [[0.10, 0.00, -0.10], [-0.20, -0.10], [0.10, 0.20]]
 R_A = [0.0, 0.0, 1.0]
@@ -116,7 +116,7 @@ def test_o2_stage2_token_level_gae():
 
 @pytest.mark.parametrize("gamma_t,lambda_t", [(1.0, 0.9), (0.97, 0.5), (1.0, 1.0)])
 def test_o2_turn_boundary_identities(gamma_t, lambda_t):
-    params = EstimatorParams(gamma_turn=0.9, lambda_turn=0.8, gamma_token=gamma_t, lambda_token=lambda_t)
+    params = TurnParams(gamma=0.9, lambda_turn=0.8, gamma_token=gamma_t, lambda_token=lambda_t)
     est = get_estimator("omar").fn(o_seats(), params, {})
     for i, (rewards, values) in enumerate([(R_A, V_A), (R_B, V_B)]):
         a_turn, ret_turn = stage1_reference(rewards, values, 0.9, 0.8)
@@ -337,7 +337,7 @@ def test_empty_turn_rewards_move_to_the_next_retained_turn(name):
 def test_trajectory_without_retained_turn_contributes_nothing(name):
     dead = traj([1.0, 2.0], [0, 0], [[], []], episode=1)
     live = [traj([1.0], values=[[0.5]], episode=e) for e in (0, 2)]
-    est = get_estimator(name).fn([live[0], dead, live[1]], EstimatorParams(), {})
+    est = get_estimator(name).fn([live[0], dead, live[1]], TurnParams(), {})
     assert est.advantages[1] == [[], []]
     assert est.metrics["dropped_trajectories"] == 1
     if est.returns is not None:
@@ -370,7 +370,7 @@ def by_role(estimate, batch) -> dict[str, list[float]]:
 
 def test_c1_grpo_groups_per_role():
     batch = c1_batch()
-    est = get_estimator("grpo").fn(batch, EstimatorParams(), {})
+    est = get_estimator("grpo").fn(batch, TurnParams(), {})
     got = by_role(est, batch)
     assert close(got["buyer"], [1.2247, -1.2247, 0.0, 0.0])
     assert close(got["seller"], [-1.0884, 1.2558, -0.4186, 0.2512])
@@ -382,21 +382,21 @@ def test_c1_grpo_groups_per_role():
     forbidden = [(r - mean) / (std + 1e-6) for r in BUYER_R]
     assert close(forbidden, [1.4711, -1.5465, -0.0377, -0.0377])
     assert not close(got["buyer"], forbidden, 1e-2)
-    none = by_role(get_estimator("grpo").fn(batch, EstimatorParams(grpo_scale="none"), {}), batch)
+    none = by_role(get_estimator("grpo").fn(batch, TurnParams(grpo_scale="none"), {}), batch)
     assert close(none["buyer"], [0.5, -0.5, 0.0, 0.0])
     assert close(none["seller"], [-0.3250, 0.3750, -0.1250, 0.0750])
 
 
 def test_c2_rloo():
     batch = c1_batch()
-    got = by_role(get_estimator("rloo").fn(batch, EstimatorParams(), {}), batch)
+    got = by_role(get_estimator("rloo").fn(batch, TurnParams(), {}), batch)
     assert close(got["buyer"], [0.6667, -0.6667, 0.0, 0.0])
     assert close(got["seller"], [-0.4333, 0.5000, -0.1667, 0.1000])
 
 
 def test_reinforce_pp_subtracts_group_mean_and_is_whitened_by_default():
     batch = c1_batch()
-    got = by_role(get_estimator("reinforce-pp").fn(batch, EstimatorParams(), {}), batch)
+    got = by_role(get_estimator("reinforce-pp").fn(batch, TurnParams(), {}), batch)
     assert close(got["buyer"], [0.5, -0.5, 0.0, 0.0])
     assert close(got["seller"], [-0.3250, 0.3750, -0.1250, 0.0750])
     assert get_estimator("reinforce-pp").whiten and not get_estimator("grpo").whiten
@@ -406,36 +406,36 @@ def test_reinforce_pp_subtracts_group_mean_and_is_whitened_by_default():
 def test_c3_all_equal_groups_are_exactly_zero_and_singletons_counted(name):
     fn = get_estimator(name).fn
     equal = [traj([0.3], episode=e) for e in range(3)]
-    assert scalars(fn(equal, EstimatorParams(), {})) == [0.0, 0.0, 0.0]
+    assert scalars(fn(equal, TurnParams(), {})) == [0.0, 0.0, 0.0]
     # Values where the unguarded formulas leave float noise (mean of three 0.1, leave-one-out over six).
     for r, n in [(0.1, 3), (0.1, 7), (0.7, 3)]:
-        assert scalars(fn([traj([r], episode=e) for e in range(n)], EstimatorParams(), {})) == [0.0] * n
+        assert scalars(fn([traj([r], episode=e) for e in range(n)], TurnParams(), {})) == [0.0] * n
     equal_sums = [traj([0.25, 0.5], episode=0), traj([0.5, 0.25], episode=1), traj([0.75, 0.0], episode=2)]
-    assert [a for t in fn(equal_sums, EstimatorParams(), {}).advantages for turn in t for a in turn] == [0.0] * 6
-    lone = fn([traj([5.0], role="seller")], EstimatorParams(), {})
+    assert [a for t in fn(equal_sums, TurnParams(), {}).advantages for turn in t for a in turn] == [0.0] * 6
+    lone = fn([traj([5.0], role="seller")], TurnParams(), {})
     assert scalars(lone) == [0.0] and lone.metrics["singleton_groups"] == 1
-    mixed = fn(equal + [traj([5.0], role="seller", seat=1)], EstimatorParams(), {})
+    mixed = fn(equal + [traj([5.0], role="seller", seat=1)], TurnParams(), {})
     assert mixed.metrics["singleton_groups"] == 1 and scalars(mixed)[-1] == 0.0
     with pytest.raises(RepertoryError, match="single member"):
-        fn([traj([5.0])], EstimatorParams(strict=True), {})
+        fn([traj([5.0])], TurnParams(strict=True), {})
 
 
 def test_c4_ema_baseline_per_trajectory():
     state: dict = {}
     batch = [traj([r], episode=e) for e, r in enumerate([1.0, -1.0, 1.0])]
-    assert close(scalars(get_estimator("reinforce").fn(batch, EstimatorParams(), state)), [1.0000, -1.0500, 1.0025])
+    assert close(scalars(get_estimator("reinforce").fn(batch, TurnParams(), state)), [1.0000, -1.0500, 1.0025])
     assert state["ema"]["bargain|buyer"] == pytest.approx(0.047625, abs=1e-12)
     baselines = []
     state = {}
     for t in batch:
-        get_estimator("reinforce").fn([t], EstimatorParams(), state)
+        get_estimator("reinforce").fn([t], TurnParams(), state)
         baselines.append(state["ema"]["bargain|buyer"])
     assert close(baselines, [0.0500, -0.0025, 0.047625], 1e-12)
 
 
 def test_c4_ema_baseline_per_batch():
     state: dict = {}
-    params = EstimatorParams(ema_update="per_batch")
+    params = TurnParams(ema_update="per_batch")
     first = get_estimator("reinforce").fn([traj([1.0], episode=0), traj([-1.0], episode=1)], params, state)
     assert scalars(first) == [1.0, -1.0] and state["ema"]["bargain|buyer"] == 0.0
     second = get_estimator("reinforce").fn([traj([1.0], episode=0)], params, state)
@@ -445,7 +445,7 @@ def test_c4_ema_baseline_per_batch():
 def test_c5_rae_discounts_per_turn():
     state: dict = {}
     batch = [traj([1.0], episode=0), traj([-1.0], episode=1), traj([0.0, 0.0, 1.0], [2, 1, 3], episode=2)]
-    est = get_estimator("rae").fn(batch, EstimatorParams(turn_discount=0.9, ema_update="per_batch"), state)
+    est = get_estimator("rae").fn(batch, TurnParams(gamma=0.9, ema_update="per_batch"), state)
     assert close(scalars(est), [1.0, -1.05, 1.0025])
     assert close([turn[0] for turn in est.advantages[2]], [0.8120, 0.9023, 1.0025])
     assert state["ema"]["bargain|buyer"] == pytest.approx(0.047625, abs=1e-12)  # per_trajectory regardless
@@ -454,10 +454,10 @@ def test_c5_rae_discounts_per_turn():
 def test_ema_keys_by_env_and_role_and_persists():
     state = {"ema": {"bargain|seller": 0.5}}
     batch = [traj([1.0], role="seller"), traj([1.0], role="buyer", seat=1), traj([1.0], role="seller", env="ipd")]
-    assert close(scalars(get_estimator("reinforce").fn(batch, EstimatorParams(), state)), [0.5, 1.0, 1.0], 1e-12)
+    assert close(scalars(get_estimator("reinforce").fn(batch, TurnParams(), state)), [0.5, 1.0, 1.0], 1e-12)
     assert set(state["ema"]) == {"bargain|seller", "bargain|buyer", "ipd|seller"}
     with pytest.raises(RepertoryError, match="share"):
-        get_estimator("reinforce").fn([traj([1.0]), traj([2.0])], EstimatorParams(), {})
+        get_estimator("reinforce").fn([traj([1.0]), traj([2.0])], TurnParams(), {})
 
 
 # ----- invariants 2-4 ------------------------------------------------------------------------------------------
@@ -466,7 +466,7 @@ def test_ema_keys_by_env_and_role_and_persists():
 @pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce-pp"])
 def test_groups_come_from_explicit_fields(name):
     fn = get_estimator(name).fn
-    alone = by_role(fn(c1_batch("k7"), EstimatorParams(), {}), c1_batch("k7"))
+    alone = by_role(fn(c1_batch("k7"), TurnParams(), {}), c1_batch("k7"))
     # A second kernel, a later iteration and another env never join the k7 groups.
     others = c1_batch("k8")
     for t in others:
@@ -474,7 +474,7 @@ def test_groups_come_from_explicit_fields(name):
     later = [traj([10.0 * (e % 2)], role="buyer", episode=10 + e, iteration=1) for e in range(3)]
     elsewhere = [traj([-4.0 * (e % 2)], role="buyer", episode=20 + e, env="ipd") for e in range(2)]
     batch = c1_batch("k7") + others + later + elsewhere
-    mixed = fn(batch, EstimatorParams(), {})
+    mixed = fn(batch, TurnParams(), {})
     got = by_role(mixed, batch[:8])
     assert got == alone
     assert mixed.metrics["singleton_groups"] == 0
@@ -496,12 +496,12 @@ def test_shuffling_the_batch_changes_no_advantage(name):
     ]
     start = {"ema": {"bargain|buyer": 0.2}}
     ref_state = copy.deepcopy(start)
-    reference = get_estimator(name).fn(batch, EstimatorParams(turn_discount=0.9), ref_state)
+    reference = get_estimator(name).fn(batch, TurnParams(gamma=0.9), ref_state)
     for seed in range(3):
         order = list(range(len(batch)))
         random.Random(seed).shuffle(order)
         state = copy.deepcopy(start)
-        est = get_estimator(name).fn([batch[i] for i in order], EstimatorParams(turn_discount=0.9), state)
+        est = get_estimator(name).fn([batch[i] for i in order], TurnParams(gamma=0.9), state)
         assert [est.advantages[order.index(i)] for i in range(len(batch))] == reference.advantages
         assert state == ref_state
     assert any(a != 0.0 for t in reference.advantages for turn in t for a in turn)
@@ -514,7 +514,7 @@ def test_per_turn_broadcast_has_no_off_by_one(name):
         traj([0.0, 0.0, 0.0, 2.0], [2, 0, 3, 1], episode=0),
         traj([0.0, 0.0, 0.0, 0.0], [1, 1, 0, 4], episode=1),
     ]
-    est = get_estimator(name).fn(batch, EstimatorParams(turn_discount=0.5, strict=True), {})
+    est = get_estimator(name).fn(batch, TurnParams(gamma=0.5, strict=True), {})
     a_traj = est.advantages[0][3][0]
     assert a_traj != 0.0
     assert est.advantages[0] == [[a_traj / 4] * 2, [], [a_traj / 2] * 3, [a_traj]]
@@ -533,7 +533,7 @@ def test_seat_isolation(name):
     for t in changed[1::2]:
         t.rewards = [r * -3 + 0.7 for r in t.rewards]
         t.values = [[x + 1.5 * j for j, x in enumerate(v)] for v in t.values]
-    params = EstimatorParams(gamma_turn=0.9, lambda_turn=0.8, lambda_token=0.9, turn_discount=0.9)
+    params = TurnParams(gamma=0.9, lambda_turn=0.8, lambda_token=0.9)
     before = get_estimator(name).fn(batch, params, {"ema": {"bargain|buyer": 0.1}}).advantages
     after = get_estimator(name).fn(changed, params, {"ema": {"bargain|buyer": 0.1}}).advantages
     assert before[0::2] == after[0::2]
@@ -572,15 +572,18 @@ def test_register_a_new_estimator():
 
 def test_bad_input_is_refused():
     with pytest.raises(RepertoryError, match="needs critic values"):
-        get_estimator("omar").fn([traj([1.0])], EstimatorParams(), {})
+        get_estimator("omar").fn([traj([1.0])], TurnParams(), {})
     with pytest.raises(RepertoryError, match="do not match"):
-        get_estimator("gae").fn([traj([1.0], [2], [[0.1]])], EstimatorParams(), {})
+        get_estimator("gae").fn([traj([1.0], [2], [[0.1]])], TurnParams(), {})
     with pytest.raises(RepertoryError, match="rewards for"):
-        get_estimator("grpo").fn([traj([1.0, 2.0], [1])], EstimatorParams(), {})
+        get_estimator("grpo").fn([traj([1.0, 2.0], [1])], TurnParams(), {})
+    # The params refuse both on construction; an estimator called with unchecked ones refuses them too.
+    with pytest.raises(ValueError, match="unknown grpo_scale 'batch'; allowed: group, none"):
+        TurnParams(grpo_scale="batch")
     with pytest.raises(RepertoryError, match="grpo_scale"):
-        get_estimator("grpo").fn([traj([1.0])], EstimatorParams(grpo_scale="batch"), {})
+        get_estimator("grpo").fn([traj([1.0])], TurnParams.model_construct(grpo_scale="batch"), {})
     with pytest.raises(RepertoryError, match="ema_update"):
-        get_estimator("reinforce").fn([traj([1.0])], EstimatorParams(ema_update="per_step"), {})
+        get_estimator("reinforce").fn([traj([1.0])], TurnParams.model_construct(ema_update="per_step"), {})
 
 
 # the sampler-learner mismatch (docs/algorithms.md 1.2)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from repertory.algos import EstimatorParams, TrajectoryInput, discounted_returns, get_estimator, group_normalise
+from repertory.algos import TrajectoryInput, TurnParams, discounted_returns, get_estimator, group_normalise
 from repertory.algos.offline import (
     archer_actor_loss,
     archer_q_target,
@@ -124,7 +124,7 @@ def test_format_gate_scores_invalid_candidates_zero():
 def test_trajectory_grpo_normalises_like_the_candidates():
     returns = [0.62, 0.70, 0.55, 0.81]
     batch = [TrajectoryInput("bargain", "k", 0, "buyer", i, 0, [r], [2]) for i, r in enumerate(returns)]
-    estimate = get_estimator("grpo").fn(batch, EstimatorParams(), {})
+    estimate = get_estimator("grpo").fn(batch, TurnParams(), {})
     assert [a[0][0] for a in estimate.advantages] == candidate_advantages(returns)
 
 

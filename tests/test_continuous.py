@@ -143,7 +143,7 @@ def test_rows_in_flight_stay_within_the_memory_budget(tokenizer):
     out = tight.generate(prompts, params, seeds=list(range(8)))
     assert max(p.rows for p in tight.stats.passes) == 3
     free = unbounded.generate(prompts, params, seeds=list(range(8)))
-    assert [g.token_ids for g in out] == [g.token_ids for g in free]
+    assert [g.response_ids for g in out] == [g.response_ids for g in free]
     assert max(p.rows for p in unbounded.stats.passes) == 8
 
 

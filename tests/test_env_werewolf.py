@@ -284,7 +284,7 @@ def test_advantages_per_seat_read_only_their_own_rewards():
         seat = ref.episode.seat(ref.seat_id)
         assert traj.role == seat.role
         assert sum(traj.rewards) == pytest.approx(ref.episode.result.roles[seat.name].outcome)
-    params = algos.EstimatorParams()
+    params = algos.TurnParams()
     for name in ("grpo", "rloo", "reinforce"):
         base = algos.get_estimator(name).fn(inputs, params, {}).advantages
         for k, target in enumerate(inputs):
@@ -296,10 +296,10 @@ def test_advantages_per_seat_read_only_their_own_rewards():
             assert changed <= {j for j, t in enumerate(inputs) if t.role == target.role}, name
     values = [[[0.1] * n for n in t.lengths] for t in inputs]
     with_values = [replace(t, values=v) for t, v in zip(inputs, values)]
-    base = algos.get_estimator("omar").fn(with_values, algos.EstimatorParams(), {}).advantages
+    base = algos.get_estimator("omar").fn(with_values, algos.TurnParams(), {}).advantages
     bumped = list(with_values)
     bumped[0] = replace(bumped[0], rewards=[r + 5.0 for r in bumped[0].rewards])
-    moved = algos.get_estimator("omar").fn(bumped, algos.EstimatorParams(), {}).advantages
+    moved = algos.get_estimator("omar").fn(bumped, algos.TurnParams(), {}).advantages
     assert [j for j in range(len(inputs)) if moved[j] != base[j]] == [0]
 
 

@@ -284,4 +284,4 @@ def test_the_local_judges_prefix_reuse_gives_the_answers_of_questions_asked_one_
                 (g,) = alone.generate(
                     [chat_prompt_ids(alone.tokenizer, chat)], SamplingParams(0.0, 1.0, 4), [0], [choices]
                 )
-                assert float(alone.decode(g.token_ids).strip()) == verdict[agent][d.name]
+                assert float(alone.decode(g.response_ids).strip()) == verdict[agent][d.name]

@@ -63,7 +63,7 @@ root = Path(tempfile.mkdtemp())
 for seed, best in ((0, 0.5), (1, 0.7)):
     run = root / f"igrpo-{seed}"
     run.mkdir()
-    config = load_config(None, ["rollout.env=ultimatum", "rollout.opponent=bot", f"seed={seed}", "trainer=rounds"])
+    config = load_config(None, ["rollout.env=ultimatum", "rollout.opponent=bot", f"seed={seed}", "method.kind=igrpo"])
     (run / "config.yaml").write_text(dump_config(config))
     lines = [{"iteration": 0, "eval/discounted_return": 0.1}, {"iteration": 1, "eval/discounted_return": best}]
     lines[-1]["final/discounted_return"] = 0.2

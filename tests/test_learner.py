@@ -36,7 +36,7 @@ def episodes(tokenizer):
 
 
 def _learner(tokenizer, temperature=1.0, lora=True, critic=True, **algo) -> Learner:
-    settings = AlgoConfig(estimator="omar" if critic else "grpo", **algo)
+    settings = AlgoConfig(**algo)
     loaded = tiny_model(tokenizer, seed=3)
     return Learner(loaded, settings, LoraConfig(enabled=lora, r=4), CriticConfig(), critic, temperature, seed=0)
 
@@ -340,7 +340,7 @@ def test_attention_without_copied_heads_equals_the_copying_path(tokenizer, episo
     for attention in ("repertory_gqa_sdpa", "sdpa"):
         loaded = tiny_model(tokenizer, hidden=96, heads=6, kv_heads=2, seed=3)
         loaded.model.set_attn_implementation(attention)
-        algo = AlgoConfig(estimator="omar", mini_batches=1, lr=1e-2)
+        algo = AlgoConfig(mini_batches=1, lr=1e-2)
         learner = Learner(loaded, algo, LoraConfig(r=4), CriticConfig(), needs_critic=True, seed=0)
         batch = batch_of()
         learner.score(batch)

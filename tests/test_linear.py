@@ -104,9 +104,9 @@ def test_hf_backend_in_bfloat16_samples_close_to_the_float32_learner(tokenizer):
     gaps = []
     for prompt, g in zip(prompts, generations):
         with torch.no_grad():
-            logits = loaded.model(torch.tensor([prompt + g.token_ids])).logits[0]
+            logits = loaded.model(torch.tensor([prompt + g.response_ids])).logits[0]
         logp = torch.log_softmax(logits, -1)
-        gaps += [abs(logp[len(prompt) - 1 + j, t].item() - g.logprobs[j]) for j, t in enumerate(g.token_ids)]
+        gaps += [abs(logp[len(prompt) - 1 + j, t].item() - g.logp_sample[j]) for j, t in enumerate(g.response_ids)]
     assert 1e-6 < max(gaps) < 0.1  # reduced precision: close to the learner, and not exact
     backend.close()
     assert all("_reduced_copy" not in m.__dict__ for m in loaded.model.modules())

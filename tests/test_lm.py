@@ -46,9 +46,9 @@ def test_sampled_logprobs_equal_teacher_forced_recomputation(backend, tokenizer,
     generations = backend.generate(prompts, params, seeds=[11, 12, 13, 14])
     assert len({len(p) for p in prompts}) == 4
     for prompt, g in zip(prompts, generations):
-        assert len(g.logprobs) == len(g.token_ids) > 0
-        expected = teacher_forced(backend, prompt, g.token_ids, temperature)
-        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+        assert len(g.logp_sample) == len(g.response_ids) > 0
+        expected = teacher_forced(backend, prompt, g.response_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(expected, g.logp_sample)) < 1e-4
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, tokenizer):
@@ -58,9 +58,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, token
     again = backend.generate(prompts, params, seeds=[1, 2, 3])
     alone = backend.generate(prompts[1:2], params, seeds=[2])
     other = backend.generate(prompts, params, seeds=[4, 5, 6])
-    assert [g.token_ids for g in first] == [g.token_ids for g in again]
-    assert alone[0].token_ids == first[1].token_ids
-    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+    assert [g.response_ids for g in first] == [g.response_ids for g in again]
+    assert alone[0].response_ids == first[1].response_ids
+    assert [g.response_ids for g in first] != [g.response_ids for g in other]
 
 
 def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tokenizer):
@@ -70,25 +70,25 @@ def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tok
     shared_before = backend.stats.shared_prompt_tokens
     together = backend.generate(prompts, params, seeds)
     assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(a) + len(b)
-    assert len({tuple(g.token_ids) for g in together[::2]}) > 1  # the copies of one prompt drew their own samples
+    assert len({tuple(g.response_ids) for g in together[::2]}) > 1  # the copies of one prompt drew their own samples
     for prompt, seed, g in zip(prompts, seeds, together):
         alone = backend.generate([prompt], params, [seed])[0]
-        assert alone.token_ids == g.token_ids
-        assert max(abs(x - y) for x, y in zip(alone.logprobs, g.logprobs)) < 1e-4
+        assert alone.response_ids == g.response_ids
+        assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
 
 
 def test_greedy_budget_and_stop_strings(backend, tokenizer):
     prompt = [tokenizer.encode("Count with me")]
     greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
-    assert greedy.finish == "length" and len(greedy.token_ids) == 5
+    assert greedy.finish == "length" and len(greedy.response_ids) == 5
     assert (
-        greedy.token_ids
-        == backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0].token_ids
+        greedy.response_ids
+        == backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0].response_ids
     )
-    text = backend.decode(greedy.token_ids)
+    text = backend.decode(greedy.response_ids)
     stop = text[-2:] if len(text) >= 2 else text
     stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
-    assert stopped.finish == "stop" and stop in backend.decode(stopped.token_ids)
+    assert stopped.finish == "stop" and stop in backend.decode(stopped.response_ids)
 
 
 def test_token_trie_restricts_to_the_choices(backend, tokenizer):
@@ -97,13 +97,13 @@ def test_token_trie_restricts_to_the_choices(backend, tokenizer):
     assert isinstance(trie, TokenTrie) and backend.constraint(choices) is trie
     prompts = [tokenizer.encode(f"prompt {i}") for i in range(12)]
     out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(12)), constraints=[trie] * 12)
-    texts = [backend.decode(g.token_ids) for g in out]
+    texts = [backend.decode(g.response_ids) for g in out]
     assert set(texts) <= set(choices) and len(set(texts)) == 2
-    assert all(g.finish == "stop" and g.token_ids[-1] == backend.end_of_turn_id for g in out)
+    assert all(g.finish == "stop" and g.response_ids[-1] == backend.end_of_turn_id for g in out)
     # The recorded log-probs are the unconstrained ones, so the learner can recompute them.
     for prompt, g in zip(prompts, out):
-        expected = teacher_forced(backend, prompt, g.token_ids, 1.0)
-        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+        expected = teacher_forced(backend, prompt, g.response_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(expected, g.logp_sample)) < 1e-4
 
 
 def test_forced_tokens_share_a_forward_pass_with_the_sampled_one(backend, tokenizer):
@@ -114,13 +114,13 @@ def test_forced_tokens_share_a_forward_pass_with_the_sampled_one(backend, tokeni
     before = backend.stats.forward_passes
     out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(6)), constraints=[trie] * 6)
     assert backend.stats.forward_passes - before == 3
-    assert {len(g.token_ids) for g in out} == {8}
+    assert {len(g.response_ids) for g in out} == {8}
     for prompt, g in zip(prompts, out):
-        expected = teacher_forced(backend, prompt, g.token_ids, 1.0)
-        assert max(abs(a - b) for a, b in zip(expected, g.logprobs)) < 1e-4
+        expected = teacher_forced(backend, prompt, g.response_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(expected, g.logp_sample)) < 1e-4
     # a budget that ends inside the forced suffix cuts it exactly there
     cut = backend.generate(prompts[:2], SamplingParams(max_new_tokens=5), seeds=[0, 1], constraints=[trie] * 2)
-    assert all(g.finish == "length" and g.token_ids == out[i].token_ids[:5] for i, g in enumerate(cut))
+    assert all(g.finish == "length" and g.response_ids == out[i].response_ids[:5] for i, g in enumerate(cut))
 
 
 def _agent(backend, constrained, max_new_tokens=24):
@@ -366,14 +366,14 @@ def test_each_forward_pass_records_its_rows_new_tokens_and_context(backend, toke
     prompts = [tokenizer.encode("one two three four five")[:5], tokenizer.encode("a b c d e f g h i j k")[:9]]
     assert [len(p) for p in prompts] == [5, 9]
     out = fresh.generate(prompts, SamplingParams(temperature=0, max_new_tokens=3), seeds=[0, 1])
-    assert [len(g.token_ids) for g in out] == [3, 3]
+    assert [len(g.response_ids) for g in out] == [3, 3]
     # prefill: 5 + 9 tokens, each attending to itself and those before; then one token a row over the context
     assert [tuple(p) for p in fresh.stats.passes] == [(2, 14, 0, 15 + 45), (2, 2, 14, 6 + 10), (2, 2, 16, 7 + 11)]
     assert fresh.stats.forward_passes == 3
     # a reused prefix is context: only the rest of the prompt is fed
     prompt = tokenizer.encode("Round 1 of 10. " * 3)
     first = fresh.generate([prompt], SamplingParams(temperature=0, max_new_tokens=3), seeds=[0], cache_keys=["k"])
-    longer = prompt + first[0].token_ids + tokenizer.encode(" next")
+    longer = prompt + first[0].response_ids + tokenizer.encode(" next")
     fresh.stats = type(fresh.stats)()
     fresh.generate([longer], SamplingParams(temperature=0, max_new_tokens=1), seeds=[0], cache_keys=["k"])
     reused = fresh.stats.reused_prompt_tokens

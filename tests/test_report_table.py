@@ -17,7 +17,7 @@ def _run(root, name, method, env, seed, curve, final):
     run = root / name
     run.mkdir(parents=True)
     overrides = [f"rollout.env={env}", "rollout.opponent=bot", f"seed={seed}"]
-    overrides += ["trainer=rounds", f"rounds.method={method}"] if method != "omar" else []
+    overrides += [f"method.kind={method}"] if method != "omar" else []
     (run / "config.yaml").write_text(dump_config(load_config(None, overrides)))
     lines = [{"iteration": k, "eval/discounted_return": j} for k, j in enumerate(curve)]
     lines[-1]["final/discounted_return"] = final

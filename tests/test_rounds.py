@@ -19,16 +19,16 @@ from repertory.cli import main
 from repertory.config import QConfig, dump_config, load_config
 from repertory.envs.base import Env
 from repertory.envs.replay import replay
-from repertory.experiments import load_suite, run_suite
+from repertory.experiments import load_suite, run_suite, suite_runs
 from repertory.models import load_tokenizer, tiny_model
 from repertory.stats import rank_correlation
 from repertory.store import EpisodeStore, read_episodes, write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
-from repertory.train.archer import Transition, actor_step, critic_step, transitions
 from repertory.train.batch import collect
 from repertory.train.heads import QExample, QFunction, fit_q
-from repertory.train.rounds import RoundsTrainer, igrpo, mt_kto, mt_sft, st_grpo
+from repertory.train.methods.archer import Transition, transitions
+from repertory.train.rounds import RoundsTrainer
 from repertory.train.turns import conversations, first_return, kernel_split, logged_turns, read_logs, read_turns
 from repertory.types import Message, RepertoryError
 
@@ -38,13 +38,23 @@ def tokenizer():
     return load_tokenizer()
 
 
-def _config(tmp_path, name, *extra):
+# Each method's small budget in these tests.
+METHOD_SETTINGS = {
+    "igrpo": ["method.candidates=4", "method.states_per_step=8", "method.q.max_epochs=1"],
+    "st-grpo": ["method.batch_size=8"],
+    "mt-sft": ["method.batch_size=8"],
+    "mt-kto": ["method.batch_size=8"],
+}
+
+
+def _config(tmp_path, name, *extra, method="igrpo"):
     return load_config(
         None,
         [
             f"output_dir={tmp_path}",
             f"name={name}",
-            "trainer=rounds",
+            f"method.kind={method}",
+            *METHOD_SETTINGS.get(method, []),
             "iterations=1",
             "rollout.env=ipd",
             "rollout.opponent=always-cooperate",
@@ -52,14 +62,16 @@ def _config(tmp_path, name, *extra):
             "rollout.kernels_per_iteration=2",
             "rollout.episodes_per_kernel=2",
             "eval.episodes=0",
-            "rounds.candidates=4",
-            "rounds.states_per_step=8",
-            "rounds.q.max_epochs=1",
-            "rounds.batch_size=8",
             "algo.lr=1e-3",
             *extra,
         ],
     )
+
+
+def _improve(trainer, round_index, turns, episodes, epochs):
+    """The trainer's round method on these turns for ``epochs`` passes."""
+    trainer.method.config.epochs = epochs
+    return trainer.method.improve(trainer.context, round_index, turns, episodes)
 
 
 def _turn(episode: str, kernel: str, t: int, T: int, ret: float, outcome: float = 0.8) -> LoggedTurn:
@@ -239,13 +251,13 @@ def test_q_fit_never_sees_a_validation_kernel(tmp_path, tokenizer, monkeypatch):
         seen["train"], seen["val"] = [e.sequence for e in train], [e.sequence for e in val]
         return {}
 
-    monkeypatch.setattr("repertory.train.rounds.fit_q", spy)
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", spy)
     turns = [_turn(f"e{k}", f"k{k % 10}", 0, 0, 0.5) for k in range(30)]
     for k, turn in enumerate(turns):
         turn.response_ids = [100 + k]  # identifies the turn
     monkeypatch.setattr(trainer.backend, "generate", lambda *a, **k: pytest.fail("generation is not under test"))
     with pytest.raises(pytest.fail.Exception):
-        igrpo(trainer, 0, turns, {}, 1)
+        _improve(trainer, 0, turns, {}, 1)
     q_train, q_val = kernel_split([t.kernel_id for t in turns], 0.1, 0)
     kernel_of = {100 + k: t.kernel_id for k, t in enumerate(turns)}
     assert {kernel_of[s[-1]] for s in seen["train"]} == q_train
@@ -373,15 +385,15 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
         q_of.update({tuple(s): v for s, v in zip(sequences, out)})
         return out
 
-    monkeypatch.setattr(trainer.q, "score_groups", fake_score)
-    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr(trainer.method.q, "score_groups", fake_score)
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(
         trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {"kl": 0.0}
     )
-    metrics = igrpo(trainer, 0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
+    metrics = _improve(trainer, 0, turns, {}, 1)  # without the episodes nothing is replayed: no env is stepped
     assert trainer.partner.calls == calls
-    n = trainer.config.rounds.candidates
+    n = trainer.method.config.candidates
     states, spreads = 0, []
     for batch, adv in captured:
         samples = batch.samples
@@ -405,11 +417,11 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
     )
     monkeypatch.setattr(Env, "step", step)
     captured.clear()
-    igrpo(trainer, 0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
+    _improve(trainer, 0, turns[:2], by_id, 1)  # with them, only the referee replays the logged moves
     assert trainer.partner.calls == calls and captured
     captured.clear()
-    trainer.config.rounds.scale_advantages = False  # Dr. GRPO: centred scores, in Q's units
-    igrpo(trainer, 0, turns[:2], {}, 1)
+    trainer.method.config.scale_advantages = False  # Dr. GRPO: centred scores, in Q's units
+    _improve(trainer, 0, turns[:2], {}, 1)
     assert captured
     for batch, adv in captured:
         for j in range(0, len(batch.samples), n):
@@ -425,13 +437,13 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
     )
     turns, episodes = trainer.deploy(0)
     by_id = {ep.episode_id: ep for ep in episodes}
-    monkeypatch.setattr(trainer.q, "score_groups", lambda prompts, groups, micro: [0.7] * sum(map(len, groups)))
-    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr(trainer.method.q, "score_groups", lambda prompts, groups, micro: [0.7] * sum(map(len, groups)))
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(
         trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {}
     )
-    metrics = igrpo(trainer, 0, turns[:4], by_id, 1)
+    metrics = _improve(trainer, 0, turns[:4], by_id, 1)
     # free text from a random model is never a valid IPD action: every candidate is gated to 0, all equal
     assert metrics["igrpo/gated_rate"] == 1.0
     assert all(float(a.abs().max()) == 0.0 for _, adv in captured for a in adv.values())
@@ -440,10 +452,10 @@ def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, token
 def test_igrpo_candidates_follow_the_deployment_constraint(tmp_path, tokenizer, monkeypatch):
     trainer = start_run(_config(tmp_path, "constrained"), tiny_model(tokenizer, seed=1))
     turns, episodes = trainer.deploy(0)
-    monkeypatch.setattr("repertory.train.rounds.fit_q", lambda *a, **k: {})
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", lambda *a, **k: {})
     captured = []
     monkeypatch.setattr(trainer.learner, "update", lambda batch, adv, *a, **k: captured.append(batch) or {})
-    metrics = igrpo(trainer, 0, turns[:3], {ep.episode_id: ep for ep in episodes}, 1)
+    metrics = _improve(trainer, 0, turns[:3], {ep.episode_id: ep for ep in episodes}, 1)
     texts = {tokenizer.decode(s.response_ids, skip_special_tokens=True) for b in captured for s in b.samples}
     by_id = {ep.episode_id: ep for ep in episodes}
     env, role = replay(by_id[turns[0].episode_id], turns[0].seat_id, turns[0].t)
@@ -455,9 +467,7 @@ def test_igrpo_candidates_follow_the_deployment_constraint(tmp_path, tokenizer, 
 
 
 def test_mt_sft_keeps_the_conversations_at_the_quantile(tmp_path, tokenizer, monkeypatch):
-    trainer = start_run(
-        _config(tmp_path, "sft", "rounds.method=mt-sft", "rounds.sft_quantile=0.6"), tiny_model(tokenizer)
-    )
+    trainer = start_run(_config(tmp_path, "sft", "method.quantile=0.6", method="mt-sft"), tiny_model(tokenizer))
     returns = [0.1, 0.5, 0.3, 0.9, 0.7]  # S1
     turns = [_turn(f"e{k}", "k", t, 1, g * (0.95 ** (1 - t)) / 0.95) for k, g in enumerate(returns) for t in (0, 1)]
     for turn in turns:
@@ -466,36 +476,34 @@ def test_mt_sft_keeps_the_conversations_at_the_quantile(tmp_path, tokenizer, mon
     trained = []
     monkeypatch.setattr(trainer.learner, "backward_on", lambda pairs, loss_of: trained.extend(pairs) or 0.0)
     monkeypatch.setattr(trainer.learner, "optimizer_step", lambda: 0.0)
-    metrics = mt_sft(trainer, 0, turns, {}, epochs=1)
+    metrics = _improve(trainer, 0, turns, {}, 1)
     assert metrics["sft/cutoff"] == pytest.approx(0.58, abs=1e-9)
     assert metrics["sft/kept_conversations"] == 2 and metrics["sft/kept_turns"] == 4
     assert len(trained) == 4
 
 
 def test_mt_sft_loss_is_the_token_mean_nll(tmp_path, tokenizer):
-    trainer = start_run(
-        _config(tmp_path, "sft-loss", "rounds.method=mt-sft", "rounds.sft_quantile=0"), tiny_model(tokenizer)
-    )
+    trainer = start_run(_config(tmp_path, "sft-loss", "method.quantile=0", method="mt-sft"), tiny_model(tokenizer))
     turns = [LoggedTurn("e0", "k", 0, 0, [1, 2, 3], [4, 5, 6], 1.0, 1.0)]
     pairs = [(turns[0].prompt_ids, turns[0].response_ids)]
     expected = -float(trainer.learner.token_logps(pairs)[0].mean())
-    metrics = mt_sft(trainer, 0, turns, {}, epochs=1)
+    metrics = _improve(trainer, 0, turns, {}, 1)
     assert metrics["loss/sft"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_mt_kto_labels_weights_and_a_hand_computed_loss(tmp_path, tokenizer, monkeypatch):
-    trainer = start_run(_config(tmp_path, "kto", "rounds.method=mt-kto"), tiny_model(tokenizer))
+    trainer = start_run(_config(tmp_path, "kto", method="mt-kto"), tiny_model(tokenizer))
     # K1 on one kernel: G_0 = [0.722, 0.0, 0.9025, 0.722] -> D, U, D, D; K2: lambda_U = 2.25
     turns = [
         LoggedTurn(f"e{k}", "k", 0, 0, [1, 2, 3 + k], [4 + k, 5], g, g)
         for k, g in enumerate([0.722, 0.0, 0.9025, 0.722])
     ]
     turns.append(LoggedTurn("lone", "other", 0, 0, [1], [2], 0.5, 0.5))  # a kernel of one conversation: dropped
-    trainer.config.rounds.batch_size = 4
+    trainer.method.config.batch_size = 4
     pairs = [(t.prompt_ids, t.response_ids) for t in turns[:4]]
     before = [float(x.sum()) for x in trainer.learner.token_logps(pairs)]
     trainer.learner.freeze_reference()
-    metrics = mt_kto(trainer, 0, turns, {}, epochs=1)
+    metrics = _improve(trainer, 0, turns, {}, 1)
     assert (metrics["kto/desirable"], metrics["kto/undesirable"]) == (3, 1)
     assert (metrics["kto/lambda_d"], metrics["kto/lambda_u"]) == (1.0, pytest.approx(2.25))
     # at pi = pi_ref every implied reward is 0, so z0 = 0 and each loss is lambda * (1 - sigmoid(0)) = lambda / 2
@@ -505,7 +513,7 @@ def test_mt_kto_labels_weights_and_a_hand_computed_loss(tmp_path, tokenizer, mon
 
 
 def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokenizer, monkeypatch):
-    trainer = start_run(_config(tmp_path, "st", "rounds.method=st-grpo"), tiny_model(tokenizer))
+    trainer = start_run(_config(tmp_path, "st", method="st-grpo"), tiny_model(tokenizer))
     returns = {"a": [0.62, 0.70, 0.55, 0.81], "b": [0.3, 0.3]}
     turns = []
     for kernel, gs in returns.items():
@@ -516,7 +524,7 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
     monkeypatch.setattr(
         trainer.learner, "update", lambda batch, *a, **k: captured.append((batch, _advantages(batch))) or {}
     )
-    st_grpo(trainer, 0, turns, {}, epochs=2)
+    _improve(trainer, 0, turns, {}, 2)
     batch, adv = captured[0]
     order = [t.episode_id for convo in conversations(turns).values() for t in convo]
     by_episode: dict[str, set[float]] = {}
@@ -528,12 +536,12 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
 
 
 def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, tokenizer):
-    config = _config(tmp_path, "ppo", "rounds.method=mt-ppo", "rollout.episodes_per_kernel=1", "algo.mini_batches=1")
+    config = _config(tmp_path, "ppo", "rollout.episodes_per_kernel=1", "algo.mini_batches=1", method="mt-ppo")
     trainer = start_run(config, tiny_model(tokenizer))
-    assert trainer.learner.value is not None and trainer.estimator.name == "gae"
+    assert trainer.learner.value is not None and trainer.method.estimator.name == "gae"
     turns, episodes = trainer.deploy(0)
     batch = collect(episodes)
-    inputs = trainer.estimator_inputs(batch)
+    inputs = trainer.method.estimator_inputs(batch)
     assert len(inputs) == 2
     for traj, ref in zip(inputs, batch.trajectories):
         rewards = [turn.reward for turn in ref.episode.trajectory(ref.seat_id)]
@@ -545,7 +553,7 @@ def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, 
 
 def test_mt_ppo_needs_deployed_conversations(tmp_path, tokenizer):
     with pytest.raises(RepertoryError, match="mt-ppo learns from deployed conversations"):
-        start_run(_config(tmp_path, "ppo-logs", "rounds.method=mt-ppo", "rounds.logs=x.parquet"), tiny_model(tokenizer))
+        start_run(_config(tmp_path, "ppo-logs", "method.logs=x.parquet", method="mt-ppo"), tiny_model(tokenizer))
 
 
 def test_archer_transitions_carry_the_reward_on_the_last_turn():
@@ -559,8 +567,8 @@ def test_archer_transitions_carry_the_reward_on_the_last_turn():
 
 @pytest.mark.parametrize("method", ["archer", "archer-lc"])
 def test_archer_critic_step_targets_and_soft_update(tmp_path, tokenizer, method):
-    trainer = start_run(_config(tmp_path, method, f"rounds.method={method}"), tiny_model(tokenizer, seed=2))
-    critic = trainer.archer
+    trainer = start_run(_config(tmp_path, method, method=method), tiny_model(tokenizer, seed=2))
+    critic = trainer.method.critic
     assert (critic.features.peft is not None) == (method == "archer-lc")
     batch = [
         Transition([1, 2, 3], [4], 0.0, [1, 2, 3, 4, 5]),
@@ -580,7 +588,7 @@ def test_archer_critic_step_targets_and_soft_update(tmp_path, tokenizer, method)
         expected += float(((q[i] - y_q) ** 2).mean() + ((v[i] - q_bar[i]) ** 2).mean())
     target_before = [t.detach().clone() for t in critic.target.parameters()]
     adapter_before = [t.clone() for t in critic.target_adapter]
-    loss = critic_step(trainer, batch, sampled)
+    loss = trainer.method.critic_step(batch, sampled, trainer.config.algo)
     assert loss == pytest.approx(expected, rel=1e-5)
     for before, bar, online in zip(target_before, critic.target.parameters(), critic.heads.parameters()):
         assert torch.allclose(bar, 0.9 * before + 0.1 * online.detach(), atol=1e-6)  # R3, tau 0.1
@@ -590,8 +598,8 @@ def test_archer_critic_step_targets_and_soft_update(tmp_path, tokenizer, method)
 
 
 def test_archer_actor_step_is_advantage_weighted_sequence_log_prob(tmp_path, tokenizer):
-    trainer = start_run(_config(tmp_path, "actor", "rounds.method=archer"), tiny_model(tokenizer, seed=2))
-    critic = trainer.archer
+    trainer = start_run(_config(tmp_path, "actor", method="archer"), tiny_model(tokenizer, seed=2))
+    critic = trainer.method.critic
     states, actions = [[1, 2, 3], [1, 2, 4]], [[5, 6], [7]]
     with torch.no_grad():
         h_s = critic.encode(states)
@@ -599,21 +607,21 @@ def test_archer_actor_step_is_advantage_weighted_sequence_log_prob(tmp_path, tok
         v1, v2 = critic.heads.values(h_s)
     advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).tolist()
     seq = [float(x.sum()) for x in trainer.learner.token_logps(list(zip(states, actions)))]
-    loss, adv = actor_step(trainer, states, actions)
+    loss, adv = trainer.method.actor_step(trainer.learner, states, actions)
     assert adv == pytest.approx(advantages, abs=1e-6)
     assert loss == pytest.approx(-sum(a * lp for a, lp in zip(advantages, seq)) / 2, rel=1e-4)  # R2 per state
 
 
 def test_archer_rounds_run_and_resume_with_their_critic(tmp_path, tokenizer):
-    config = _config(tmp_path, "archer-run", "rounds.method=archer-lc", "rollout.episodes_per_kernel=1")
+    config = _config(tmp_path, "archer-run", "rollout.episodes_per_kernel=1", method="archer-lc")
     trainer = start_run(config, tiny_model(tokenizer, seed=4))
     trainer.fit()
     line = json.loads((tmp_path / "archer-run" / "metrics.jsonl").read_text().splitlines()[0])
     assert line["archer/buffer"] == line["deploy/turns"] == 20
     assert math.isfinite(line["loss/critic"]) and math.isfinite(line["loss/actor"])
     resumed = resume_run(tmp_path / "archer-run", loaded=tiny_model(tokenizer, seed=4))
-    for key, value in trainer.archer.state().items():
-        assert torch.equal(resumed.archer.state()[key], value)
+    for key, value in trainer.method.critic.state().items():
+        assert torch.equal(resumed.method.critic.state()[key], value)
 
 
 def test_conversations_group_turns_in_order():
@@ -640,7 +648,7 @@ def test_both_seats_of_a_self_play_episode_are_two_conversations(tmp_path, token
 
 
 def test_rounds_need_a_partner(tmp_path, tokenizer):
-    with pytest.raises(RepertoryError, match="trainer rounds deploys the policy against a partner"):
+    with pytest.raises(RepertoryError, match="method igrpo deploys the policy against a partner"):
         start_run(_config(tmp_path, "alone", "rollout.opponent=self"), tiny_model(tokenizer))
 
 
@@ -662,7 +670,7 @@ def test_a_round_writes_logs_metrics_and_a_checkpoint_and_resumes(tmp_path, toke
 
 
 def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
-    extra = ("iterations=2", "rollout.episodes_per_kernel=1", "rounds.q.val_fraction=0")
+    extra = ("iterations=2", "rollout.episodes_per_kernel=1", "method.q.val_fraction=0")
     straight = start_run(_config(tmp_path, "straight", *extra), tiny_model(tokenizer, seed=5))
     straight.fit()
     cut = start_run(_config(tmp_path, "cut", "iterations=1", *extra[1:]), tiny_model(tokenizer, seed=5))
@@ -676,8 +684,8 @@ def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
         return [{k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)} for row in rows]
 
     assert lines("cut") == lines("straight")
-    for key, value in straight.q.state().items():
-        assert torch.equal(resumed.q.state()[key], value), key
+    for key, value in straight.method.q.state().items():
+        assert torch.equal(resumed.method.q.state()[key], value), key
     final = load_file(str(tmp_path / "straight" / "checkpoints" / "000002" / "policy" / "adapter_model.safetensors"))
     again = load_file(str(tmp_path / "cut" / "checkpoints" / "000002" / "policy" / "adapter_model.safetensors"))
     assert all(torch.equal(final[k], again[k]) for k in final)
@@ -703,7 +711,7 @@ def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
         turn.messages, turn.response = [Message("user", f"hello {k}")], "ok"
     path = write_turns(tmp_path / "logs.parquet", logs)
     trainer = start_run(
-        _config(tmp_path, "from-logs", f"rounds.logs={path}", "rollout.max_new_tokens=4"), tiny_model(tokenizer, seed=5)
+        _config(tmp_path, "from-logs", f"method.logs={path}", "rollout.max_new_tokens=4"), tiny_model(tokenizer, seed=5)
     )
     trainer.fit()
     line = json.loads((tmp_path / "from-logs" / "metrics.jsonl").read_text().splitlines()[0])
@@ -722,9 +730,9 @@ def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_epi
         "rollout.env=craigslist",
         "rollout.opponent=bot",
         "rollout.constrained=false",
-        "rounds.method=mt-sft",
-        "rounds.sft_quantile=0",
-        f"rounds.logs={tmp_path / 'store'}",
+        "method.quantile=0",
+        f"method.logs={tmp_path / 'store'}",
+        method="mt-sft",
     )
     trainer = start_run(config, tiny_model(tokenizer, seed=5))
     turns, episodes = trainer.deploy(0)
@@ -754,10 +762,10 @@ def test_a_round_of_igrpo_improves_the_held_out_return(tmp_path, tokenizer):
         "improve",
         "rollout.kernels_per_iteration=8",
         "eval.episodes=16",
-        "rounds.candidates=4",
-        "rounds.states_per_step=16",
-        "rounds.q.max_epochs=2",
-        "rounds.q.patience=2",
+        "method.candidates=4",
+        "method.states_per_step=16",
+        "method.q.max_epochs=2",
+        "method.q.patience=2",
     )
     trainer = start_run(config, tiny_model(tokenizer, seed=3))
     trainer.fit()
@@ -771,7 +779,14 @@ def test_a_round_of_igrpo_improves_the_held_out_return(tmp_path, tokenizer):
 
 def test_suite_recipe_validates_every_run():
     suite = load_suite("igrpo-suite")
-    assert suite is not None and "igrpo" in suite.methods and "archer-lc" in suite.methods
+    assert suite is not None
+    kinds = [suite.method_overrides(entry)[0] for entry in suite.methods]
+    assert kinds == ["igrpo", "st-grpo", "mt-kto", "mt-sft", "mt-ppo", "archer", "archer-lc"]
+    igrpo = dict(suite_runs(suite))["igrpo-ultimatum-s0"]
+    config = load_config(suite.recipe, igrpo)  # the entry's settings on top of the recipe's, which it keeps
+    assert (config.method.candidates, config.method.q.max_epochs, config.method.q.lora.r) == (4, 2, 16)
+    st_grpo = load_config(suite.recipe, dict(suite_runs(suite))["st-grpo-ultimatum-s0"])
+    assert (st_grpo.method.kind, st_grpo.method.gamma, st_grpo.method.epochs) == ("st-grpo", 0.95, 2)
     assert load_suite("igrpo-craigslist") is None  # an ordinary recipe
 
 
@@ -781,7 +796,7 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
     with pytest.raises(RepertoryError, match="suite.colour: unknown key; allowed here: recipe, methods, envs"):
         load_suite(str(bad))
     bad.write_text("suite: {recipe: igrpo-craigslist, methods: [magic], envs: [craigslist]}\n")
-    with pytest.raises(RepertoryError, match="rounds.method"):
+    with pytest.raises(RepertoryError, match="suite.methods: unknown round method 'magic'; allowed: igrpo, "):
         load_suite(str(bad))
     bad.write_text("suite: {recipe: igrpo-craigslist, methods: [], envs: [craigslist]}\n")
     with pytest.raises(RepertoryError, match="suite.methods"):
@@ -837,7 +852,7 @@ def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_fro
     demos = read_episodes(grid / "warm-ipd-demos.parquet")
     assert len(demos) == 3 and {s.policy_id for ep in demos for s in ep.seats} == {"scripted:always-cooperate"}
     warm = load_config(str(grid / "warm-ipd" / "config.yaml"))
-    assert (warm.rounds.method, warm.rounds.logs, warm.iterations) == (
+    assert (warm.method.kind, warm.method.logs, warm.iterations) == (
         "mt-sft",
         str(grid / "warm-ipd-demos.parquet"),
         1,

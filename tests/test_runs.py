@@ -76,8 +76,9 @@ def test_existing_refuses_a_folder_without_config(tmp_path):
 @pytest.mark.parametrize(
     ("recipe", "overrides", "prefix"),
     [
-        ("igrpo-craigslist", [], "igrpo-craigslist-"),  # was omar-craigslist-: named after algo.estimator
-        ("igrpo-craigslist", ["rounds.method=mt-kto"], "mt-kto-craigslist-"),
+        ("igrpo-craigslist", [], "igrpo-craigslist-"),  # was omar-craigslist-: named after the estimator
+        ("igrpo-craigslist", ["method.kind=mt-kto"], "mt-kto-craigslist-"),
+        ("igrpo-craigslist", ["rounds.method=mt-kto"], "mt-kto-craigslist-"),  # the old key, translated
         ("adalign-ipd", [], "adalign-ipd-"),
         (None, [], "omar-ipd-"),
     ],

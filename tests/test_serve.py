@@ -121,7 +121,7 @@ def test_the_log_holds_exactly_what_was_exchanged(tmp_path, loaded):
     assert rows[2]["conversation_id"] == anonymous.id and rows[2]["seed"] > 0  # no header: its own conversation
     backend = make_backend("hf", loaded)  # a logged seed replays its completion exactly
     replayed = backend.generate([rows[0]["prompt_ids"]], SamplingParams(1.0, 1.0, 10), [rows[0]["seed"]])[0]
-    assert replayed.token_ids == rows[0]["response_ids"]
+    assert replayed.response_ids == rows[0]["response_ids"]
 
 
 def test_outcomes_attach_to_conversations_and_unmatched_ones_are_skipped(tmp_path, loaded):
@@ -266,17 +266,16 @@ def test_rounds_trainer_learns_round_zero_from_a_served_log(tmp_path, loaded, to
         [
             f"output_dir={tmp_path}",
             "name=served",
-            "trainer=rounds",
+            "method.kind=igrpo",
             "iterations=1",
             "rollout.env=ipd",
             "rollout.opponent=always-cooperate",
             "rollout.max_new_tokens=4",
             "eval.episodes=0",
-            "rounds.candidates=2",
-            "rounds.states_per_step=4",
-            "rounds.q.max_epochs=1",
-            "rounds.batch_size=8",
-            f"rounds.logs={tmp_path / 'log'}",
+            "method.candidates=2",
+            "method.states_per_step=4",
+            "method.q.max_epochs=1",
+            f"method.logs={tmp_path / 'log'}",
         ],
     )
     trainer = start_run(config, loaded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -63,7 +64,8 @@ def test_shipped_recipes_load_and_include_the_required_ones():
         # a suite validates every run's config as it loads
         assert load_suite(name) is not None or isinstance(load_config(name), TrainConfig)
     default = load_config("default")
-    assert (default.algo.estimator, default.rollout.env, default.model.name) == ("omar", "ipd", "smollm2")
+    assert (default.method.kind, default.method.estimator, default.rollout.env) == ("selfplay", "omar", "ipd")
+    assert default.model.name == "smollm2"
     assert default.model.lora.enabled
 
 
@@ -78,9 +80,12 @@ def test_set_overrides_nested_keys_with_yaml_values():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("algo.bogus=1", "algo.bogus: unknown key; allowed here: estimator, gamma_turn"),
+        ("algo.bogus=1", "algo.bogus: unknown key; allowed here: policy_loss, is_cap"),
+        ("method.bogus=1", "method.bogus: unknown key; allowed here: gamma_token, lam, estimator, gamma, whiten"),
+        ("method.kind=ppo", "method.kind: unknown method 'ppo'; allowed: selfplay, adalign, igrpo, st-grpo"),
+        ("method.estimator=adalign", "method.estimator: unknown estimator 'adalign'; allowed: gae, grpo, omar"),
         ("rollout.envv=ipd", "rollout.envv: unknown key; allowed here: env, env_options, opponent"),
-        ("algo.estimator=ppo2", "algo.estimator: unknown estimator 'ppo2'; allowed: adalign, gae, grpo, naive, omar"),
+        ("method.estimator=ppo2", "method.estimator: unknown estimator 'ppo2'; allowed: gae, grpo, omar, rae"),
         ("algo.aggregation=mean", "algo.aggregation: Input should be 'token-mean', 'seq-mean-token-mean'"),
         ("iterations=0", "iterations: Input should be greater than or equal to 1"),
         ("algo.lr=fast", "algo.lr: Input should be a valid number"),
@@ -201,8 +206,8 @@ def test_tiny_model_learns_to_defect_against_always_cooperate(tmp_path, tokenize
         "rollout.opponent=always-cooperate",
         "rollout.kernels_per_iteration=4",
         "eval.episodes=16",
-        "algo.estimator=omar",
-        "algo.gamma_turn=0",
+        "method.estimator=omar",
+        "method.gamma=0",
         "algo.lr=3e-3",
         "model.lora.enabled=false",
     )
@@ -289,7 +294,7 @@ def test_training_against_a_frozen_checkpoint_trains_only_the_live_seat(tmp_path
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--set", "algo.estimator=nope"], "unknown estimator 'nope'"),
+        (["train", "--set", "method.estimator=nope"], "unknown estimator 'nope'"),
         (["train", "--set", "rollout.bogus=1"], "rollout.bogus: unknown key"),
         (["train", "missing-recipe"], "no recipe file 'missing-recipe'"),
         (["train", "default", "--resume", "runs/x"], "give no recipe"),
@@ -357,7 +362,7 @@ def test_training_against_the_base_model_switches_adapters_off_for_its_seat(tmp_
 
 def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, tokenizer):
     trainer = start_run(
-        _config(tmp_path, "kl-reward", "algo.estimator=grpo", "algo.kl_mode=reward", "algo.beta_kl=0.5"),
+        _config(tmp_path, "kl-reward", "method.estimator=grpo", "algo.kl_mode=reward", "algo.beta_kl=0.5"),
         tiny_model(tokenizer, seed=2),
     )
     episodes = run_episodes(trainer.specs(0))
@@ -366,14 +371,14 @@ def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, toke
     for scored in batch.experience.values():
         scored.logp_ref = scored.logp_old - 0.1  # k3 = exp(-0.1) + 0.1 - 1 per token
     captured = {}
-    estimator = trainer.estimator
+    estimator = trainer.method.estimator
 
     def spy(inputs, params, state):
         captured["rewards"] = [list(t.rewards) for t in inputs]
         return estimator.fn(inputs, params, state)
 
-    trainer.estimator = type(estimator)(estimator.name, spy, estimator.needs_critic, estimator.whiten)
-    trainer.advantages(batch)
+    trainer.method.estimator = dataclasses.replace(estimator, fn=spy)
+    trainer.method.credit(batch, trainer.config.algo)
     k3 = math.exp(-0.1) + 0.1 - 1
     for traj, ref in zip(captured["rewards"], batch.trajectories):
         raw = [t.reward for t in ref.episode.trajectory(ref.seat_id)]

@@ -308,7 +308,7 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     from repertory.train.batch import Experience, collect
     from repertory.train.learner import Learner
 
-    algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
+    algo = AlgoConfig(mini_batches=1, lr=1e-5)
     limit_flops = _matmul_limit(config.matmul_seconds, str(loaded.device))
     n_params = loaded.n_params
     limit_tok_s = limit_flops / (6 * n_params)
@@ -383,7 +383,7 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
         "limit_gflops": limit_flops / 1e9,
         "limit_tok_s": limit_tok_s,
     }
-    algo = AlgoConfig(estimator="grpo", mini_batches=1, lr=1e-5)
+    algo = AlgoConfig(mini_batches=1, lr=1e-5)
 
     def step(n: int, shared: bool) -> tuple[float, int]:
         """Seconds and tokens computed of one policy step over the first ``n`` candidates."""

@@ -41,8 +41,9 @@ def load_suite(recipe: str) -> SuiteConfig | None:
     except ValidationError as err:
         raise RepertoryError(describe_error(err, source, SuiteFile)) from None
     for env in suite.envs:
-        for method in suite.methods:
-            check_names(load_config(suite.recipe, [*suite.set, f"rounds.method={method}", f"rollout.env={env}"]))
+        for entry in suite.methods:
+            _, selected = suite.method_overrides(entry)
+            check_names(load_config(suite.recipe, [*suite.set, *selected, f"rollout.env={env}"]))
         if suite.warm_start is not None:
             partner = load_config(suite.recipe, suite.warm_overrides(env)).rollout.opponent
             if partner not in env_class(env).bots:
@@ -53,15 +54,15 @@ def load_suite(recipe: str) -> SuiteConfig | None:
     return suite
 
 
-
 def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
     """(run name, overrides) of every cell of the grid, environment-major."""
     out = []
     for env in suite.envs:
-        for method in suite.methods:
+        for entry in suite.methods:
+            method, selected = suite.method_overrides(entry)
             for seed in suite.seeds:
                 name = f"{method}-{env}-s{seed}"
-                overrides = [*suite.set, f"rounds.method={method}", f"rollout.env={env}", f"seed={seed}"]
+                overrides = [*suite.set, *selected, f"rollout.env={env}", f"seed={seed}"]
                 if suite.warm_start is not None:
                     overrides.append(f"model.name={suite.warm_model(env)}")
                 out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
@@ -231,7 +232,8 @@ def exploitability(
                 *(overrides or []),
                 f"rollout.env={env}",
                 f"rollout.opponent={victim_spec(victim)}",
-                "algo.estimator=naive",
+                "method.kind=adalign",
+                "method.estimator=naive",
                 f"iterations={iterations}",
                 f"seed={seed}",
                 "eval.episodes=0",

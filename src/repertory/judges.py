@@ -225,7 +225,7 @@ class LocalJudge:
             ]
             generations = self.backend.generate(prompts, params, [0] * len(phase), constraints, prefix_keys)
             for ((q, _, _), key), g in zip(phase, generations):
-                answers[q] = self.backend.decode(g.token_ids).strip()
+                answers[q] = self.backend.decode(g.response_ids).strip()
                 if self.cache is not None:
                     self.cache.put(key, self.name, answers[q])
         out: list[Verdict | None] = [{a: {} for a in r.agents} for r in requests]

@@ -38,6 +38,7 @@ def tiny(tokenizer, seed: int) -> LoadedModel:
     loaded.model.to(DEVICE)
     return loaded
 
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
@@ -78,8 +79,8 @@ def test_sampled_logprobs_equal_teacher_forced_recomputation(engine, tokenizer, 
     prompts = [tokenizer.encode(text) for text in ("Hi", "Round 1 of 10. " * 7, "You are Alice. " * 3, "x " * 40)]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24)
     for prompt, g in zip(prompts, backend.generate(prompts, params, seeds=[11, 12, 13, 14])):
-        assert len(g.logprobs) == len(g.token_ids) > 0
-        assert largest_gap(teacher_forced(loaded.model, prompt, g.token_ids, temperature), g.logprobs) < TOL
+        assert len(g.logp_sample) == len(g.response_ids) > 0
+        assert largest_gap(teacher_forced(loaded.model, prompt, g.response_ids, temperature), g.logp_sample) < TOL
 
 
 def test_seeds_reproduce_rows_independent_of_batch_composition(engine, tokenizer):
@@ -87,32 +88,36 @@ def test_seeds_reproduce_rows_independent_of_batch_composition(engine, tokenizer
     a, b, c = (tokenizer.encode(t) for t in ("alpha", "beta gamma delta", "epsilon " * 9))
     params = SamplingParams(max_new_tokens=16)
     first = backend.generate([a, b, c], params, seeds=[1, 2, 3])
-    assert [g.token_ids for g in backend.generate([a, b, c], params, seeds=[1, 2, 3])] == [g.token_ids for g in first]
-    assert backend.generate([b], params, seeds=[2])[0].token_ids == first[1].token_ids
-    assert [g.token_ids for g in backend.generate([c, a, b], params, seeds=[3, 1, 2])] == [
-        first[2].token_ids,
-        first[0].token_ids,
-        first[1].token_ids,
+    assert [g.response_ids for g in backend.generate([a, b, c], params, seeds=[1, 2, 3])] == [
+        g.response_ids for g in first
     ]
-    assert [g.token_ids for g in backend.generate([a, b, c], params, seeds=[4, 5, 6])] != [g.token_ids for g in first]
+    assert backend.generate([b], params, seeds=[2])[0].response_ids == first[1].response_ids
+    assert [g.response_ids for g in backend.generate([c, a, b], params, seeds=[3, 1, 2])] == [
+        first[2].response_ids,
+        first[0].response_ids,
+        first[1].response_ids,
+    ]
+    assert [g.response_ids for g in backend.generate([a, b, c], params, seeds=[4, 5, 6])] != [
+        g.response_ids for g in first
+    ]
     # Copies of one prompt in one call (a state's candidates) each sample as if alone.
     copies = backend.generate([a, a, a], params, seeds=[7, 8, 9])
-    assert len({tuple(g.token_ids) for g in copies}) > 1
+    assert len({tuple(g.response_ids) for g in copies}) > 1
     for seed, g in zip([7, 8, 9], copies):
         alone = backend.generate([a], params, [seed])[0]
-        assert alone.token_ids == g.token_ids and largest_gap(alone.logprobs, g.logprobs) < TOL
+        assert alone.response_ids == g.response_ids and largest_gap(alone.logp_sample, g.logp_sample) < TOL
 
 
 def test_greedy_budget_and_stop_strings(engine, tokenizer):
     backend, _ = engine
     prompt = [tokenizer.encode("Count with me")]
     greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
-    assert greedy.finish == "length" and len(greedy.token_ids) == 5
+    assert greedy.finish == "length" and len(greedy.response_ids) == 5
     assert backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0] == greedy
-    text = backend.decode(greedy.token_ids)
+    text = backend.decode(greedy.response_ids)
     stop = text[-2:] if len(text) >= 2 else text
     stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
-    assert stopped.finish == "stop" and stop in backend.decode(stopped.token_ids)
+    assert stopped.finish == "stop" and stop in backend.decode(stopped.response_ids)
 
 
 def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
@@ -122,17 +127,17 @@ def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
     assert isinstance(constraint, TokenTrie)
     prompts = [tokenizer.encode(f"prompt {i} " * (i % 4 + 1)) for i in range(16)]
     out = backend.generate(prompts, SamplingParams(max_new_tokens=32), list(range(16)), [constraint] * 16)
-    texts = [backend.decode(g.token_ids) for g in out]
+    texts = [backend.decode(g.response_ids) for g in out]
     assert set(texts) <= set(choices) and len(set(texts)) > 1
     assert all(g.finish == "stop" for g in out)
     # The recorded log-probs are the unconstrained ones, so the learner can recompute them.
     for prompt, g in zip(prompts, out):
-        assert largest_gap(teacher_forced(loaded.model, prompt, g.token_ids, 1.0), g.logprobs) < TOL
+        assert largest_gap(teacher_forced(loaded.model, prompt, g.response_ids, 1.0), g.logp_sample) < TOL
     # A constrained row beside free rows changes neither.
     free = backend.generate(prompts[:2], SamplingParams(max_new_tokens=12), seeds=[0, 1])
     mixed = backend.generate(prompts[:3], SamplingParams(max_new_tokens=12), [0, 1, 2], [None, None, constraint])
-    assert [g.token_ids for g in mixed[:2]] == [g.token_ids for g in free]
-    assert backend.decode(mixed[2].token_ids) in choices
+    assert [g.response_ids for g in mixed[:2]] == [g.response_ids for g in free]
+    assert backend.decode(mixed[2].response_ids) in choices
 
 
 def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
@@ -147,9 +152,9 @@ def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
         cached = backend.generate(prompts, params, seeds, cache_keys=[("contract", k) for k in keys])
         plain = backend.generate(prompts, params, seeds)
         for c, p in zip(cached, plain):
-            assert c.token_ids == p.token_ids and largest_gap(c.logprobs, p.logprobs) < TOL
+            assert c.response_ids == p.response_ids and largest_gap(c.logp_sample, p.logp_sample) < TOL
         for k, g in zip(keys, cached):
-            histories[k] = histories[k] + g.token_ids + tokenizer.encode(f" Turn {turn} is over.")
+            histories[k] = histories[k] + g.response_ids + tokenizer.encode(f" Turn {turn} is over.")
     backend.reset_cache()
 
 
@@ -168,7 +173,7 @@ def test_rows_joining_a_stream_in_flight_sample_as_if_alone(engine, tokenizer):
             got[index[ticket]] = generation
     assert sorted(got) == [0, 1, 2] and not stream.busy
     for i, g in got.items():
-        assert g.token_ids == alone[i].token_ids and largest_gap(alone[i].logprobs, g.logprobs) < TOL
+        assert g.response_ids == alone[i].response_ids and largest_gap(alone[i].logp_sample, g.logp_sample) < TOL
 
 
 @pytest.mark.parametrize("kind", ENGINES)
@@ -185,7 +190,7 @@ def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     backend.sync(loaded.model)
     after = backend.generate([prompt + [13]], params, [6], cache_keys=["seat"])[0]
     fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
-    assert after.token_ids == fresh.token_ids and largest_gap(after.logprobs, fresh.logprobs) < TOL
+    assert after.response_ids == fresh.response_ids and largest_gap(after.logp_sample, fresh.logp_sample) < TOL
     backend.close()
 
 

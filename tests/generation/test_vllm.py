@@ -81,15 +81,15 @@ def test_base_and_two_adapters_in_one_batch_match_hf_with_peft(lora, tokenizer):
     params = SamplingParams(max_new_tokens=24)
     adapters = [None, "default", "b", None, "b"]
     out = backend.generate([prompt] * 5, params, [1, 2, 3, 4, 5], [one_path] * 3 + [None] * 2, adapters=adapters)
-    forced = [g.logprobs for g in out[:3]]
-    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
+    forced = [g.logp_sample for g in out[:3]]
+    assert out[0].response_ids == out[1].response_ids == out[2].response_ids
     assert min(gap(forced[0], forced[1]), gap(forced[1], forced[2]), gap(forced[0], forced[2])) > 1e-2
     for adapter, g in zip(adapters, out):
-        assert gap(teacher_forced(loaded, adapter, prompt, g.token_ids), g.logprobs) < TOL
+        assert gap(teacher_forced(loaded, adapter, prompt, g.response_ids), g.logp_sample) < TOL
     # the same rows through the hf backend on the same PEFT model: the same versions, the same log-probs
     hf = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters[:3])
     for a, b in zip(hf, out[:3]):
-        assert a.token_ids == b.token_ids and gap(a.logprobs, b.logprobs) < TOL
+        assert a.response_ids == b.response_ids and gap(a.logp_sample, b.logp_sample) < TOL
 
 
 def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer):
@@ -109,8 +109,8 @@ def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer
     reused = backend.stats.reused_prompt_tokens
     after = backend.generate([prompt], params, [0], [one_path])[0]
     assert backend.stats.reused_prompt_tokens == reused  # no block of the old version serves the new one
-    assert after.token_ids == before.token_ids and gap(after.logprobs, before.logprobs) > 1e-2
-    assert gap(teacher_forced(loaded, "default", prompt, after.token_ids), after.logprobs) < TOL
+    assert after.response_ids == before.response_ids and gap(after.logp_sample, before.logp_sample) > 1e-2
+    assert gap(teacher_forced(loaded, "default", prompt, after.response_ids), after.logp_sample) < TOL
 
 
 def test_after_a_learner_step_and_sync_rows_match_the_hf_backend(lora, tokenizer):
@@ -129,8 +129,8 @@ def test_after_a_learner_step_and_sync_rows_match_the_hf_backend(lora, tokenizer
     ours = backend.generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
     theirs = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
     for adapter, a, b in zip(adapters, theirs, ours):
-        assert a.token_ids == b.token_ids and gap(a.logprobs, b.logprobs) < TOL
-        assert gap(teacher_forced(loaded, adapter, prompt, b.token_ids), b.logprobs) < TOL
+        assert a.response_ids == b.response_ids and gap(a.logp_sample, b.logp_sample) < TOL
+        assert gap(teacher_forced(loaded, adapter, prompt, b.response_ids), b.logp_sample) < TOL
 
 
 def test_weight_loads_per_call_are_at_most_its_versions(lora, tokenizer):
@@ -144,7 +144,7 @@ def test_weight_loads_per_call_are_at_most_its_versions(lora, tokenizer):
         before = backend.weight_loads
         out = backend.generate([prompt] * len(adapters), params, list(range(len(adapters))), adapters=adapters)
         for adapter, g in zip(adapters, out):
-            assert gap(teacher_forced(loaded, adapter, prompt, g.token_ids), g.logprobs) < TOL
+            assert gap(teacher_forced(loaded, adapter, prompt, g.response_ids), g.logp_sample) < TOL
         return backend.weight_loads - before
 
     mixed = ["default", None, "b", "default", None, "b"]
@@ -174,7 +174,7 @@ def test_a_batch_larger_than_one_prefill_step(tokenizer):
     together = backend.generate(prompts, params, list(range(6)))
     for i in (0, 5):
         alone = backend.generate([prompts[i]], params, [i])[0]
-        assert alone.token_ids == together[i].token_ids and gap(alone.logprobs, together[i].logprobs) < TOL
+        assert alone.response_ids == together[i].response_ids and gap(alone.logp_sample, together[i].logp_sample) < TOL
     backend.close()
 
 
@@ -184,8 +184,8 @@ def test_enough_ends_a_row_early_at_a_check(lora, tokenizer):
     params = SamplingParams(max_new_tokens=40)
     free = backend.generate([prompt], params, [7])[0]
     short = backend.generate([prompt], params, [7], enough=[lambda text: len(text) > 0])[0]
-    assert short.finish == "length" and len(short.token_ids) == 8
-    assert short.token_ids == free.token_ids[:8] and gap(short.logprobs, free.logprobs[:8]) < TOL
+    assert short.finish == "length" and len(short.response_ids) == 8
+    assert short.response_ids == free.response_ids[:8] and gap(short.logp_sample, free.logp_sample[:8]) < TOL
 
 
 def test_a_vllm_backed_run_reports_the_mismatch_and_resumes(tmp_path, tokenizer):

@@ -84,11 +84,11 @@ class LMAgent:
 
     def _response(self, prompt: list[int], generation: Generation) -> Response:
         return Response(
-            text=self.backend.decode(generation.token_ids),
+            text=self.backend.decode(generation.response_ids),
             finish=generation.finish,
             prompt_ids=prompt,
-            response_ids=generation.token_ids,
-            logp_sample=generation.logprobs,
+            response_ids=generation.response_ids,
+            logp_sample=generation.logp_sample,
             policy_version=self.backend.version,
         )
 

@@ -14,10 +14,13 @@ from typing import Literal, get_args
 
 from repertory.algos.estimators import (
     ESTIMATORS,
+    AlignmentParams,
     Estimate,
     EstimatorParams,
     EstimatorSpec,
+    GaeParams,
     TrajectoryInput,
+    TurnParams,
     aa_credits,
     discounted_returns,
     get_estimator,
@@ -32,12 +35,15 @@ AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 __all__ = [
     "AGGREGATIONS",
+    "AlignmentParams",
     "ESTIMATORS",
     "Aggregation",
     "Estimate",
     "EstimatorParams",
     "EstimatorSpec",
+    "GaeParams",
     "TrajectoryInput",
+    "TurnParams",
     "aa_credits",
     "discounted_returns",
     "get_estimator",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from repertory.stats import mean as _mean
 from repertory.stats import std as _std
@@ -48,44 +49,84 @@ GRPO_SCALES = ("group", "none")
 EMA_UPDATES = ("per_trajectory", "per_batch")
 
 
-class EstimatorParams(BaseModel):
-    """Which estimator and the hyper-parameters of every estimator; each estimator reads only its own. The one
-    declaration of these settings: the config's ``algo`` section extends it with the loss and optimiser."""
-
+class _Knobs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    estimator: str = Field(
-        "omar",
-        description="Advantage estimator: omar, gae, grpo, rloo, reinforce-pp, reinforce, rae, adalign, naive, "
-        "shared-reward.",
+
+class GaeParams(_Knobs):
+    """Token-level GAE (OMAR's second stage, MT-PPO's ``gae``)."""
+
+    gamma_token: float = Field(1.0, ge=0, le=1, description="Discount per token (omar's token stage, gae).")
+    lam: float = Field(0.95, ge=0, le=1, description="gae (MT-PPO) lambda.")
+
+
+class EstimatorParams(_Knobs):
+    """What every estimator reads: which one, the discount per agent turn and the batch-level options. A
+    family's parameters extend it (:class:`TurnParams`, :class:`AlignmentParams`); each is the one declaration
+    of its knobs, which the config's method sections inherit."""
+
+    family: ClassVar[str] = ""
+
+    estimator: str = Field("omar", description="Advantage estimator (its family's, see `repertory estimators`).")
+    gamma: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Discount per agent turn (per round in round games): of the estimator's turn-level credit and of "
+        "the held-out expected discounted return; default: the estimator's (omar 0.95, adalign family 0.9, others 1).",
     )
-    gamma_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level discount.")
-    lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
-    gamma_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level discount.")
-    lambda_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level GAE lambda.")
-    gamma: float = Field(1.0, ge=0, le=1, description="MT-PPO (gae) discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="MT-PPO (gae) lambda.")
-    grpo_scale: str = Field("group", description="GRPO: divide by the group std (group) or not (none, Dr. GRPO).")
-    ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
-    ema_update: str = Field(
-        "per_trajectory", description="EMA baseline update order: per_trajectory or per_batch (reinforce, rae)."
-    )
-    turn_discount: float = Field(1.0, ge=0, le=1, description="Per-turn discount of critic-free advantages.")
-    round_gamma: float = Field(0.9, ge=0, le=1, description="adalign/naive/shared-reward: return discount over rounds.")
-    aa_gamma: float = Field(0.9, ge=0, le=1, description="adalign: discount gamma_aa of the opponent-shaping sum.")
-    aa_beta: float = Field(0.5, ge=0, description="adalign: strength beta of the opponent-shaping term.")
-    reward_constant: float = Field(
-        1.0, gt=0, description="adalign/naive/shared-reward: step reward = raw round points / this constant c."
-    )
-    discount_state_visitation: bool = Field(False, description="adalign family: multiply round t's credit by gamma^t.")
+    whiten: bool | None = Field(None, description="Whiten advantages over the batch; default: the estimator's.")
     strict: bool = Field(False, description="Critic-free estimators: a group with one member is an error, not 0.")
 
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, name: str) -> str:
-        if name not in ESTIMATORS:
-            raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(sorted(ESTIMATORS))}")
+        family = [n for n, spec in sorted(ESTIMATORS.items()) if not cls.family or spec.family == cls.family]
+        if name not in family:
+            raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(family)}")
         return name
+
+    @property
+    def discount(self) -> float:
+        """gamma, or the estimator's default where unset."""
+        return self.gamma if self.gamma is not None else ESTIMATORS[self.estimator].gamma
+
+
+class TurnParams(EstimatorParams, GaeParams):
+    """Estimators over a seat's turns: OMAR and GAE with a critic, the critic-free group and EMA baselines."""
+
+    family: ClassVar[str] = "turn"
+
+    lambda_turn: float = Field(0.95, ge=0, le=1, description="OMAR turn-level GAE lambda.")
+    lambda_token: float = Field(1.0, ge=0, le=1, description="OMAR token-level GAE lambda.")
+    grpo_scale: str = Field("group", description="GRPO: divide by the group std (group) or not (none, Dr. GRPO).")
+    ema_alpha: float = Field(0.95, ge=0, lt=1, description="EMA baseline decay (reinforce, rae).")
+    ema_update: str = Field(
+        "per_trajectory", description="EMA baseline update order: per_trajectory or per_batch (reinforce, rae)."
+    )
+
+    @field_validator("grpo_scale", "ema_update")
+    @classmethod
+    def _known_choice(cls, value: str, info: ValidationInfo) -> str:
+        allowed = GRPO_SCALES if info.field_name == "grpo_scale" else EMA_UPDATES
+        if value not in allowed:
+            raise ValueError(f"unknown {info.field_name} {value!r}; allowed: {', '.join(allowed)}")
+        return value
+
+
+class AlignmentParams(EstimatorParams):
+    """The Advantage Alignment family (section 7): adalign and its naive and shared-reward baselines, over the
+    per-round points of two-player round games; ``gamma`` discounts the round returns."""
+
+    family: ClassVar[str] = "alignment"
+
+    estimator: str = Field("adalign", description="adalign, naive or shared-reward.")
+    aa_gamma: float = Field(
+        0.9, ge=0, le=1, description="adalign: discount gamma_aa of the opponent-shaping sum (not a return discount)."
+    )
+    aa_beta: float = Field(0.5, ge=0, description="adalign: strength beta of the opponent-shaping term.")
+    reward_constant: float = Field(1.0, gt=0, description="Step reward = raw round points / this constant c.")
+    discount_state_visitation: bool = Field(False, description="Multiply round t's credit by gamma^t.")
 
 
 @dataclass
@@ -97,32 +138,44 @@ class Estimate:
     metrics: dict[str, float]
 
 
-Estimator = Callable[[list[TrajectoryInput], EstimatorParams, dict], Estimate]
+Estimator = Callable[[list[TrajectoryInput], Any, dict], Estimate]
+"""(trajectories, the family's params, the trainer-owned state) -> Estimate."""
 
 
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """A registered estimator; ``whiten`` is the default of the option whiten_advantages (2.6)."""
+    """A registered estimator: ``whiten`` is the default of the option whiten_advantages (2.6), ``gamma`` the
+    default discount per agent turn, ``family`` which parameters it reads (turn or alignment)."""
 
     name: str
     fn: Estimator
     needs_critic: bool
     whiten: bool
+    gamma: float
+    family: str
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {}
 
 
 def register_estimator(
-    name: str, *, needs_critic: bool = False, whiten: bool = False
+    name: str, *, needs_critic: bool = False, whiten: bool = False, gamma: float = 1.0, family: str = "turn"
 ) -> Callable[[Estimator], Estimator]:
-    """Decorator adding an estimator to :data:`ESTIMATORS` under ``name``."""
+    """Decorator adding an estimator to :data:`ESTIMATORS` under ``name``. The registered function (and the
+    name it is bound to) sees ``params.gamma`` resolved: unset, it is this estimator's ``gamma``."""
 
     def decorate(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise RepertoryError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, whiten)
-        return fn
+
+        def resolved(trajectories: list[TrajectoryInput], params: Any, state: dict) -> Estimate:
+            if params.gamma is None:
+                params = params.model_copy(update={"gamma": gamma})
+            return fn(trajectories, params, state)
+
+        resolved.__doc__, resolved.__name__ = fn.__doc__, fn.__name__
+        ESTIMATORS[name] = EstimatorSpec(name, resolved, needs_critic, whiten, gamma, family)
+        return resolved
 
     return decorate
 
@@ -208,12 +261,10 @@ def _empty_like(traj: TrajectoryInput) -> list[list[float]]:
 
 _Rows = list[list[float]]  # [turn][token] over the retained turns of one trajectory
 # (rewards, values) of the retained turns -> (advantages, returns)
-_TurnGAE = Callable[[list[float], _Rows, EstimatorParams], tuple[_Rows, _Rows]]
+_TurnGAE = Callable[[list[float], _Rows, TurnParams], tuple[_Rows, _Rows]]
 
 
-def _critic_estimate(
-    trajectories: list[TrajectoryInput], params: EstimatorParams, per_trajectory: _TurnGAE
-) -> Estimate:
+def _critic_estimate(trajectories: list[TrajectoryInput], params: TurnParams, per_trajectory: _TurnGAE) -> Estimate:
     advantages, returns, dropped = [], [], 0
     for traj in trajectories:
         _check(traj, needs_values=True)
@@ -230,9 +281,9 @@ def _critic_estimate(
     return Estimate(advantages, returns, {"dropped_trajectories": float(dropped)})
 
 
-def _omar_turns(rewards: list[float], values: _Rows, p: EstimatorParams) -> tuple[_Rows, _Rows]:
+def _omar_turns(rewards: list[float], values: _Rows, p: TurnParams) -> tuple[_Rows, _Rows]:
     # Stage 1 reads the critic at the position predicting the turn's last token (2.2).
-    _, turn_returns = _gae(rewards, [v[-1] for v in values], p.gamma_turn, p.lambda_turn)
+    _, turn_returns = _gae(rewards, [v[-1] for v in values], p.gamma, p.lambda_turn)
     # Stage 2: the turn lambda-return is the pseudo-reward, so the last-token target equals it (2.4).
     per_turn = [
         _gae([0.0] * (len(v) - 1) + [ret], v, p.gamma_token, p.lambda_token) for v, ret in zip(values, turn_returns)
@@ -240,24 +291,24 @@ def _omar_turns(rewards: list[float], values: _Rows, p: EstimatorParams) -> tupl
     return [adv for adv, _ in per_turn], [ret for _, ret in per_turn]
 
 
-def _mt_ppo_turns(rewards: list[float], values: _Rows, p: EstimatorParams) -> tuple[_Rows, _Rows]:
+def _mt_ppo_turns(rewards: list[float], values: _Rows, p: TurnParams) -> tuple[_Rows, _Rows]:
     step_rewards = [x for r, v in zip(rewards, values) for x in [0.0] * (len(v) - 1) + [r]]
-    adv, ret = _gae(step_rewards, [x for v in values for x in v], p.gamma, p.lam)
+    adv, ret = _gae(step_rewards, [x for v in values for x in v], p.gamma_token, p.lam)
     bounds = [0]
     for v in values:
         bounds.append(bounds[-1] + len(v))
     return [adv[a:b] for a, b in zip(bounds, bounds[1:])], [ret[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-@register_estimator("omar", needs_critic=True, whiten=True)
-def omar(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+@register_estimator("omar", needs_critic=True, whiten=True, gamma=0.95)
+def omar(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """OMAR (section 2): turn-level GAE over the seat's own turns, then token-level GAE inside each turn with
     the turn lambda-return as pseudo-reward at its last token and no bootstrap past the turn."""
     return _critic_estimate(trajectories, params, _omar_turns)
 
 
 @register_estimator("gae", needs_critic=True, whiten=True)
-def gae(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def gae(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """MT-PPO (section 3): plain token-level GAE over the seat's valid tokens chained across its turns."""
     return _critic_estimate(trajectories, params, _mt_ppo_turns)
 
@@ -285,9 +336,7 @@ class _Seat:
 _Baseline = Callable[[list[_Seat], dict[str, float]], list[float]]
 
 
-def _critic_free_estimate(
-    trajectories: list[TrajectoryInput], params: EstimatorParams, baseline: _Baseline
-) -> Estimate:
+def _critic_free_estimate(trajectories: list[TrajectoryInput], params: TurnParams, baseline: _Baseline) -> Estimate:
     seats: list[_Seat] = []
     for position, traj in enumerate(trajectories):
         _check(traj, needs_values=False)
@@ -302,12 +351,12 @@ def _critic_free_estimate(
         n_turns = len(seat.kept)
         for i, k in enumerate(seat.kept):
             # 4.6: discount counted in the seat's own retained turns, after the baseline is subtracted.
-            advantages[seat.position][k] = [params.turn_discount ** (n_turns - 1 - i) * a_traj] * seat.traj.lengths[k]
+            advantages[seat.position][k] = [params.gamma ** (n_turns - 1 - i) * a_traj] * seat.traj.lengths[k]
     return Estimate(advantages, None, metrics)
 
 
 def _grouped(
-    seats: list[_Seat], params: EstimatorParams, metrics: dict[str, float], centre: Callable[[list[float]], list[float]]
+    seats: list[_Seat], params: TurnParams, metrics: dict[str, float], centre: Callable[[list[float]], list[float]]
 ) -> list[float]:
     """Apply ``centre`` to the seat returns of each (env, kernel, iteration, role) group (1.4, 4.1)."""
     groups: dict[tuple[str, str, int, str], list[int]] = {}
@@ -333,7 +382,7 @@ def _grouped(
 
 
 @register_estimator("grpo")
-def grpo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def grpo(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """Trajectory-level GRPO (4.2): group-normalised seat return; grpo_scale "none" only centres (Dr. GRPO)."""
     if params.grpo_scale not in GRPO_SCALES:
         raise RepertoryError(f"grpo_scale must be 'group' or 'none', got {params.grpo_scale!r}")
@@ -348,7 +397,7 @@ def grpo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: di
 
 
 @register_estimator("rloo")
-def rloo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def rloo(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """RLOO (4.3): seat return minus the mean return of the other members of its group."""
 
     def centre(returns: list[float]) -> list[float]:
@@ -358,7 +407,7 @@ def rloo(trajectories: list[TrajectoryInput], params: EstimatorParams, state: di
 
 
 @register_estimator("reinforce-pp", whiten=True)
-def reinforce_pp(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def reinforce_pp(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """REINFORCE++-baseline (4.4): seat return minus its group mean; the trainer whitens the batch (2.6)."""
 
     def centre(returns: list[float]) -> list[float]:
@@ -368,7 +417,7 @@ def reinforce_pp(trajectories: list[TrajectoryInput], params: EstimatorParams, s
     return _critic_free_estimate(trajectories, params, lambda seats, metrics: _grouped(seats, params, metrics, centre))
 
 
-def _ema(seats: list[_Seat], params: EstimatorParams, state: dict, per_batch: bool) -> list[float]:
+def _ema(seats: list[_Seat], params: TurnParams, state: dict, per_batch: bool) -> list[float]:
     """A_e = R_e - b with b read before its update; b per (env, role) in ``state["ema"]``, initially 0."""
     baselines: dict[str, float] = state.setdefault("ema", {})
     alpha = params.ema_alpha
@@ -396,7 +445,7 @@ def _ema(seats: list[_Seat], params: EstimatorParams, state: dict, per_batch: bo
 
 
 @register_estimator("reinforce")
-def reinforce(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def reinforce(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """REINFORCE with a persistent EMA baseline per (env, role) (4.4), updated per trajectory or per batch."""
     if params.ema_update not in EMA_UPDATES:
         raise RepertoryError(f"ema_update must be 'per_trajectory' or 'per_batch', got {params.ema_update!r}")
@@ -405,7 +454,7 @@ def reinforce(trajectories: list[TrajectoryInput], params: EstimatorParams, stat
 
 
 @register_estimator("rae")
-def rae(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+def rae(trajectories: list[TrajectoryInput], params: TurnParams, state: dict) -> Estimate:
     """SPIRAL role-conditioned advantage estimation (4.5): per-trajectory EMA baseline per (env, role),
     discounted per turn with turn_discount."""
     return _critic_free_estimate(trajectories, params, lambda seats, _: _ema(seats, params, state, per_batch=False))
@@ -436,7 +485,7 @@ def _leave_one_out(
 
 
 def _round_advantages(
-    trajectories: list[TrajectoryInput], params: EstimatorParams, metrics: dict[str, float]
+    trajectories: list[TrajectoryInput], params: AlignmentParams, metrics: dict[str, float]
 ) -> list[tuple[list[float], list[float]]]:
     """(A1, A2) per trajectory over rounds (7.2): own and opponent advantages from the same match."""
     for traj in trajectories:
@@ -450,8 +499,8 @@ def _round_advantages(
             raise RepertoryError(f"{len(traj.turn_rounds)} turn rounds for {len(traj.lengths)} turns")
     c = params.reward_constant
     # One entry per (match, seat, side): the trained side's own returns, and its opponent's.
-    own = [discounted_returns([p / c for p in t.round_points], params.round_gamma) for t in trajectories]
-    opp = [discounted_returns([p / c for p in t.opponent_round_points], params.round_gamma) for t in trajectories]
+    own = [discounted_returns([p / c for p in t.round_points], params.gamma) for t in trajectories]
+    opp = [discounted_returns([p / c for p in t.opponent_round_points], params.gamma) for t in trajectories]
     matches: dict[tuple[str, str], set[int]] = {}
     for t in trajectories:
         matches.setdefault((t.env, t.group_id), set()).add(t.episode_index)
@@ -484,10 +533,10 @@ def aa_credits(a1: list[float], a2: list[float], beta: float, gamma_aa: float) -
     return credits
 
 
-_Credit = Callable[[list[float], list[float], EstimatorParams], list[float]]
+_Credit = Callable[[list[float], list[float], AlignmentParams], list[float]]
 
 
-def _round_estimate(trajectories: list[TrajectoryInput], params: EstimatorParams, credit: _Credit) -> Estimate:
+def _round_estimate(trajectories: list[TrajectoryInput], params: AlignmentParams, credit: _Credit) -> Estimate:
     metrics: dict[str, float] = {}
     pairs = _round_advantages(trajectories, params, metrics)
     advantages = []
@@ -496,7 +545,7 @@ def _round_estimate(trajectories: list[TrajectoryInput], params: EstimatorParams
     for traj, (a1, a2) in zip(trajectories, pairs):
         c = credit(a1, a2, params)
         if params.discount_state_visitation:
-            c = [params.round_gamma**t * x for t, x in enumerate(c)]
+            c = [params.gamma**t * x for t, x in enumerate(c)]
         for k, r in enumerate(traj.turn_rounds):
             if not 0 <= r < len(c):
                 raise RepertoryError(f"turn {k} is in round {r}, but the game has {len(c)} rounds")
@@ -510,20 +559,20 @@ def _round_estimate(trajectories: list[TrajectoryInput], params: EstimatorParams
     return Estimate(advantages, None, metrics)
 
 
-@register_estimator("adalign")
-def adalign(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+@register_estimator("adalign", gamma=0.9, family="alignment")
+def adalign(trajectories: list[TrajectoryInput], params: AlignmentParams, state: dict) -> Estimate:
     """Advantage Alignment (7.3): own advantage plus the opponent-shaping term."""
     return _round_estimate(trajectories, params, lambda a1, a2, p: aa_credits(a1, a2, p.aa_beta, p.aa_gamma))
 
 
-@register_estimator("naive")
-def naive(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+@register_estimator("naive", gamma=0.9, family="alignment")
+def naive(trajectories: list[TrajectoryInput], params: AlignmentParams, state: dict) -> Estimate:
     """Naive learner (7.3): the own round advantage only."""
     return _round_estimate(trajectories, params, lambda a1, a2, p: list(a1))
 
 
-@register_estimator("shared-reward")
-def shared_reward(trajectories: list[TrajectoryInput], params: EstimatorParams, state: dict) -> Estimate:
+@register_estimator("shared-reward", gamma=0.9, family="alignment")
+def shared_reward(trajectories: list[TrajectoryInput], params: AlignmentParams, state: dict) -> Estimate:
     """Shared reward (7.3): own plus opponent round advantage."""
     return _round_estimate(trajectories, params, lambda a1, a2, p: [x + y for x, y in zip(a1, a2)])
 

@@ -1,6 +1,6 @@
 """The batch-online math (docs/algorithms.md sections 5 and 6): Iterative GRPO's Q-head loss and candidate
 advantages, the reporting metric J, and the pieces of MT-SFT, MT-KTO and ArCHer. The trainers that use them
-are :mod:`repertory.train.rounds` and :mod:`repertory.train.archer`.
+are :mod:`repertory.train.methods`.
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ def eval_policy(
 ) -> None:
     """Held-out evaluation of one policy (`repertory eval TARGET` for short): normalised outcome per role (mean
     +- standard error), the discounted return and the environment's metrics."""
-    from repertory.eval import evaluate, evaluation_agents, evaluation_lineup
+    from repertory.eval import evaluate, evaluation_agents, evaluation_discount, evaluation_lineup
 
     check_run_options(split, seed, episodes)
     _check_budget(max_new_tokens)
@@ -343,6 +343,7 @@ def eval_policy(
             env_options=options,
             judge=scorer,
             on_progress=on_progress,
+            gamma=evaluation_discount(target),
         )
     if as_json:
         print(json.dumps(result.to_json()))

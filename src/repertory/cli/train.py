@@ -99,7 +99,7 @@ def train(
         c = trainer.config
         episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
         model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
-        if c.trainer == "rounds":
+        if c.round_based:
             show(
                 f"training {c.method_name} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
                 f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"

@@ -187,6 +187,12 @@ def partner_outcome(result: Evaluation) -> tuple[float, float]:
     return mean_se([x for v in scores.outcomes.values() for x in v])
 
 
+def evaluation_discount(target: str) -> float:
+    """gamma of the expected discounted return of ``repertory eval TARGET``: the run's method's, or 0.95 for
+    ``base``."""
+    return DISCOUNT if target == "base" else resolve_checkpoint(target)[1].method.discount
+
+
 def evaluation_lineup(
     target: str,
     env: str | None,

@@ -47,10 +47,11 @@ class SamplingParams:
 
 @dataclass
 class Generation:
-    """One sampled continuation: its token ids, their log-probs and why it ended ("stop" or "length")."""
+    """One sampled continuation: its token ids, their log-probs under the sampler and why it ended ("stop" or
+    "length"); named as in :class:`~repertory.agents.Response` and :class:`~repertory.types.Turn`."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    response_ids: list[int]
+    logp_sample: list[float]
     finish: str
 
 

@@ -139,9 +139,9 @@ class Batcher:
             if job.cancelled.is_set():
                 job.future.cancel()
                 continue
-            text, stopped = cut_at_stop(self.backend.decode(generation.token_ids), job.params.stop)
+            text, stopped = cut_at_stop(self.backend.decode(generation.response_ids), job.params.stop)
             turn = job.turn
-            turn.response, turn.response_ids, turn.logp_sample = text, generation.token_ids, generation.logprobs
+            turn.response, turn.response_ids, turn.logp_sample = text, generation.response_ids, generation.logp_sample
             turn.finish_reason = "stop" if stopped or generation.finish == "stop" else "length"
             turn.finished = finished
             answered.append(job)

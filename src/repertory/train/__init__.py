@@ -1,9 +1,10 @@
-"""Training runs: the registry of trainer kinds, and starting or resuming a run.
+"""Training runs: the loop a method runs in, and starting or resuming a run.
 
-``trainer: online`` (:class:`~repertory.train.online.OnlineTrainer`) rolls out and updates every iteration;
-``trainer: rounds`` (:class:`~repertory.train.rounds.RoundsTrainer`) runs batch-online deployment rounds with
-a registered round method. Every name a config gives a registry (trainer, round method, estimator, policy
-loss, generation backend) is checked before any model loads.
+An online method (``method.kind`` selfplay, adalign) runs in :class:`~repertory.train.online.OnlineTrainer`,
+which rolls out and updates every iteration; a round method (igrpo, st-grpo, mt-sft, mt-kto, mt-ppo, archer,
+archer-lc) in :class:`~repertory.train.rounds.RoundsTrainer`, which runs batch-online deployment rounds. The
+methods themselves are :mod:`repertory.train.methods`. Every name a config gives a registry (method, estimator,
+policy loss, generation backend) is checked before any model loads.
 """
 
 from __future__ import annotations
@@ -15,28 +16,22 @@ from repertory.config import TrainConfig, dump_config, load_config
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
 from repertory.runs import RunDir, new_run_dir
-from repertory.train import (
-    archer,  # noqa: F401  (registers the archer and archer-lc round methods)
-    distributed,
-)
+from repertory.train import distributed
 from repertory.train.base import TIMING_PREFIXES, Trainer
+from repertory.train.methods import METHODS
 from repertory.train.online import OnlineTrainer
-from repertory.train.rounds import ROUND_METHODS, RoundsTrainer
+from repertory.train.rounds import RoundsTrainer
 from repertory.types import RepertoryError
-
-TRAINERS: dict[str, type[Trainer]] = {"online": OnlineTrainer, "rounds": RoundsTrainer}
 
 
 def check_names(config: TrainConfig) -> None:
     """Every registry name in ``config`` is registered (one line naming the known ones otherwise)."""
-    if config.trainer not in TRAINERS:
-        raise RepertoryError(f"trainer: unknown trainer {config.trainer!r}; known: {', '.join(sorted(TRAINERS))}")
+    if config.method.kind not in METHODS:
+        known = ", ".join(sorted(METHODS))
+        raise RepertoryError(f"method.kind: no method registered as {config.method.kind!r}; known: {known}")
     if config.rollout.backend not in BACKENDS:
         known = ", ".join(sorted(BACKENDS))
         raise RepertoryError(f"rollout.backend: unknown generation backend {config.rollout.backend!r}; known: {known}")
-    if config.rounds.method not in ROUND_METHODS:
-        known = ", ".join(sorted(ROUND_METHODS))
-        raise RepertoryError(f"rounds.method: unknown round method {config.rounds.method!r}; known: {known}")
     try:
         get_policy_loss(config.algo.policy_loss)
     except RepertoryError as exc:
@@ -46,9 +41,10 @@ def check_names(config: TrainConfig) -> None:
 def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None) -> Trainer:
     """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
     check_names(config)
-    if distributed.world_size() > 1 and (config.trainer != "online" or config.rollout.workers):
-        raise RepertoryError("data-parallel training (--gpus) runs trainer: online without rollout.workers")
-    return TRAINERS[config.trainer](config, run_dir, loaded)
+    if distributed.world_size() > 1 and (config.round_based or config.rollout.workers):
+        raise RepertoryError("data-parallel training (--gpus) runs an online method without rollout.workers")
+    loop = RoundsTrainer if config.round_based else OnlineTrainer
+    return loop(config, run_dir, loaded)
 
 
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
@@ -89,7 +85,6 @@ def resume_run(
 
 __all__ = [
     "TIMING_PREFIXES",
-    "TRAINERS",
     "OnlineTrainer",
     "RoundsTrainer",
     "Trainer",

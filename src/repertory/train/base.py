@@ -20,15 +20,13 @@ from typing import Any
 import torch
 from peft import get_peft_model_state_dict
 
-from repertory import algos
 from repertory.agents import Agent, LMOptions
 from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.agents.resolve import LivePolicy, make_agent
-from repertory.algos import losses
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels, make
 from repertory.eval import evaluate
-from repertory.eval.scores import DISCOUNT, judged_lines, team_lines
+from repertory.eval.scores import judged_lines, team_lines
 from repertory.generation import SamplingParams, make_backend, samples_exactly
 from repertory.judges import make_judge
 from repertory.models import LoadedModel, base_weights, load_model
@@ -40,6 +38,8 @@ from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
+from repertory.train.methods import build_method
+from repertory.train.methods.adalign import AdvantageAlignment
 from repertory.train.pool import OpponentPool
 from repertory.types import Episode, RepertoryError, derive
 from repertory.workers import LIVE, LiveSource, WorkerPool
@@ -55,14 +55,15 @@ class Trainer:
         self.config = config
         self.run_dir = run_dir
         self.env = env_class(config.rollout.env)
-        self.estimator = algos.get_estimator(config.algo.estimator)
         loaded = loaded or load_model(config.model.name, config.model.device)
+        # The method's own modules (a critic on a copy of the initial model) are built before the learner wraps it.
+        self.method = build_method(config.method, config.seed, loaded, config.model.device)
         self.learner = Learner(
             loaded,
             config.algo,
             config.model.lora,
-            config.critic,
-            needs_critic=self.needs_critic(),
+            self.method.value_settings,
+            needs_critic=self.method.value,
             temperature=config.rollout.temperature,
             seed=config.seed,
             exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args),
@@ -77,18 +78,11 @@ class Trainer:
         self.rollout_judge = self.judge if make(config.rollout.env, **config.rollout.env_options).needs_judge else None
         if self.rollout_judge is not None and config.rollout.workers:
             raise RepertoryError("a judge cannot score episodes played by rollout.workers yet; set rollout.workers: 0")
-        self.pool = (
-            OpponentPool(
-                self.learner.peft,
-                run_dir,
-                config.pool,
-                config.seed,
-                self.live,
-                lambda spec: make_agent(spec, self.env, live=self.live_policy),
-            )
-            if config.rollout.opponent == "pool"
-            else None
-        )
+        self.pool: OpponentPool | None = None
+        if config.rollout.opponent == "pool":  # the config allows it with method adalign only
+            assert isinstance(self.method, AdvantageAlignment)
+            resolve = lambda spec: make_agent(spec, self.env, live=self.live_policy)  # noqa: E731
+            self.pool = self.method.open_pool(self.learner.peft, run_dir, self.live, resolve)
         reference = self.learner.reference
         self.live_policy = LivePolicy(
             self.live,
@@ -106,17 +100,8 @@ class Trainer:
         self.eval_opponent = self._agent(eval_spec)
         self.kernels = load_kernels(config.rollout.env, "train", config.rollout.env_options)
         self.iteration = 0
-        self.estimator_state: dict[str, Any] = {}
-        self.discount = DISCOUNT  # gamma of the held-out expected discounted return
+        self.discount = self.method.discount  # gamma of the held-out expected discounted return
         self.workers: WorkerPool | None = None  # built at the first sharded rollout
-
-    def needs_critic(self) -> bool:
-        """Whether the learner carries a value model (read from the config alone: called while building)."""
-        return self.estimator.needs_critic
-
-    def estimator_inputs(self, batch: Batch) -> list[algos.TrajectoryInput]:
-        """What the estimator sees of a batch (the per-turn rewards as the environment gave them)."""
-        return batch.estimator_inputs()
 
     def _options(self) -> LMOptions:
         """How the line-up's other language models sample."""
@@ -249,41 +234,6 @@ class Trainer:
         if self.workers is not None:
             self.workers.update(self.backend.version, self._live_weights())
 
-    def advantages(self, batch: Batch) -> dict[str, float]:
-        """Assign each scored sample of ``batch`` its advantages (and critic targets) from the configured
-        estimator; returns the estimator's metrics."""
-        algo = self.config.algo
-        inputs = self.estimator_inputs(batch)
-        if algo.kl_mode == "reward" and algo.beta_kl > 0:
-            for traj, ref in zip(inputs, batch.trajectories):
-                for k, index in enumerate(ref.samples):
-                    if index in batch.experience:
-                        scored = batch.experience[index]
-                        kl = losses.kl_penalty(scored.logp_old, scored.logp_ref, algo.kl_estimator)
-                        traj.rewards[k] -= algo.beta_kl * float(kl.sum())
-        estimate = self.estimator.fn(inputs, algo, self.estimator_state)
-        whiten = self.estimator.whiten if algo.whiten is None else algo.whiten
-        adv_lists = algos.whiten(estimate.advantages) if whiten else estimate.advantages
-        advantages: dict[int, torch.Tensor] = {}
-        returns: dict[int, torch.Tensor] | None = {} if estimate.returns is not None else None
-        for t, ref in enumerate(batch.trajectories):
-            for k, index in enumerate(ref.samples):
-                if batch.samples[index].trained:
-                    advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
-                    if returns is not None:
-                        returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)
-        batch.assign(advantages, returns)
-        metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
-        metrics["advantage/mean"] = float(torch.cat(list(advantages.values())).mean()) if advantages else 0.0
-        if returns:
-            errors = [
-                float(((batch.experience[i].values - returns[i]) ** 2).mean())  # type: ignore[operator]
-                for i in returns
-                if batch.samples[i].n_tokens
-            ]
-            metrics["value/mse"] = sum(errors) / len(errors)
-        return metrics
-
     def write_credit(self, iteration: int, batch: Batch) -> None:
         """Persist each trained turn's advantage and return next to the iteration's episodes (``credit/``), for
         the report's episode browser."""
@@ -331,22 +281,21 @@ class Trainer:
         def fill(directory: Path) -> None:
             self.save_state(directory)
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
-            state = {
-                "iterations_done": done,
-                "estimator_state": self.estimator_state,
-                "policy_version": self.backend.version,
-            }
+            state = {"iterations_done": done, "policy_version": self.backend.version}
             (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
         return self.run_dir.write_checkpoint(done, fill, self.config.keep_checkpoints)
 
     def save_state(self, directory: Path) -> None:
-        """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``."""
+        """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``: the
+        learner's and the method's."""
         self.learner.save(directory)
+        self.method.save(directory)
 
     def load_state(self, directory: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
         self.learner.load(directory)
+        self.method.load(directory)
 
     def load_checkpoint(self, path: Path) -> None:
         self.load_state(path)
@@ -355,7 +304,6 @@ class Trainer:
         random.setstate(rng["python"])
         state = json.loads((path / "trainer_state.json").read_text())
         self.iteration = state["iterations_done"]
-        self.estimator_state = state["estimator_state"]
         self.sync()  # an engine with its own copy of the weights (vllm) samples the restored ones
         self.backend.version = state.get("policy_version", 0)  # checkpoints written before versions: 0
 

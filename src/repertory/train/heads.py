@@ -14,7 +14,7 @@ from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state
 from torch import nn
 
 from repertory.algos import offline
-from repertory.config import LoraConfig, QConfig
+from repertory.config import AdapterConfig, QConfig
 from repertory.models.linear import use_fast_linears
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt, token_batches
 from repertory.stats import pearson, rank_correlation
@@ -33,7 +33,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
 
-def with_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
+def with_lora(model: nn.Module, lora: AdapterConfig, seed: int) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
@@ -49,12 +49,14 @@ class LastTokenFeatures(nn.Module):
     """The final hidden state at the last token of each sequence (right padding), read by a backbone that is
     frozen or has a LoRA adapter of its own (``lora``); the features of the Q-function and ArCHer's critic."""
 
-    def __init__(self, backbone: nn.Module, lora: QConfig | None, seed: int, pad_id: int, name: str):
+    def __init__(self, backbone: nn.Module, lora: AdapterConfig | None, seed: int, pad_id: int, name: str):
         super().__init__()
         backbone.requires_grad_(False)
         self.peft = None
         if lora is not None:
-            config = PeftLoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, target_modules=list(lora.target_modules))
+            config = PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+            )
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive(seed, "lora", name))
                 self.peft = get_peft_model(backbone, config)
@@ -86,7 +88,7 @@ class QFunction(nn.Module):
 
     def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
         super().__init__()
-        self.features = LastTokenFeatures(backbone, config, seed, pad_id, "q")
+        self.features = LastTokenFeatures(backbone, config.lora, seed, pad_id, "q")
         self.peft = self.features.peft
         self.head = nn.Linear(self.features.size, 1).to(self.features.device)
         nn.init.zeros_(self.head.weight)

@@ -1,11 +1,11 @@
-"""The online trainer (``trainer: online``): rollout -> advantages -> optimisation epochs -> metrics, one
-iteration at a time.
+"""The online trainer (``method.kind`` selfplay or adalign): rollout -> advantages -> optimisation epochs ->
+metrics, one iteration at a time.
 
 Each iteration draws train kernels, plays ``episodes_per_kernel`` episodes on each (the groups of critic-free
 estimators), with the live policy in every seat (self-play, all seats trained) or against an opponent (the live
 policy takes each seat in turn; only its seats are trained). The learner scores the batch (log-probs, reference
-log-probs, values), the registered estimator turns rewards into per-token advantages, and the learner runs PPO
-epochs.
+log-probs, values), the method turns rewards into per-token advantages (:meth:`OnlineMethod.credit`), and the
+learner runs PPO epochs.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from repertory.system import peak_rss_mb
 from repertory.train import distributed
 from repertory.train.base import Trainer
 from repertory.train.batch import collect
+from repertory.train.methods import OnlineMethod
 from repertory.types import RepertoryError
 
 
 class OnlineTrainer(Trainer):
     """Rollout and update every iteration."""
+
+    method: OnlineMethod
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         """Rollout, estimate, update; returns the iteration's metrics line."""
@@ -33,7 +36,7 @@ class OnlineTrainer(Trainer):
         evaluating = config.eval.episodes and (iteration == 0 or (every and iteration % every == 0))
         if evaluating and distributed.is_main():
             line.update(self.evaluate(iteration))
-        if self.pool is not None and iteration % config.pool.snapshot_every == 0:
+        if self.pool is not None and iteration % self.pool.config.snapshot_every == 0:
             if distributed.is_main():
                 self.pool.take(iteration)
             distributed.barrier()  # every process loads the snapshot file
@@ -60,7 +63,7 @@ class OnlineTrainer(Trainer):
             )
         self.backend.offload()  # the learner takes the device (a colocated vLLM engine sleeps until sync)
         mismatch = self.learner.score(batch)
-        estimate_metrics = self.advantages(batch)
+        estimate_metrics = self.method.credit(batch, algo)
         self.write_credit(iteration, batch)
         update = self.learner.update(batch, iteration)
         train_s = time.perf_counter() - start

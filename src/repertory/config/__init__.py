@@ -1,0 +1,376 @@
+"""Training configuration: one documented pydantic model, YAML recipes and ``--set key=value`` overrides.
+
+A recipe is a YAML file holding any subset of :class:`TrainConfig`; what it leaves out keeps the
+default. Unknown keys and invalid values are rejected before any work starts, with the key path
+and the allowed values in one message. Recipes shipped with repertory live in
+``repertory/recipes`` and can be named without a path (``repertory train omar-ipd``).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from repertory.config.compat import switch_kind, translate, translate_override
+from repertory.config.methods import (
+    METHOD_CONFIGS,
+    AdAlignConfig,
+    AdapterConfig,
+    ArcherConfig,
+    ArcherLCConfig,
+    CriticConfig,
+    IGRPOConfig,
+    MethodConfig,
+    MTKTOConfig,
+    MTPPOConfig,
+    MTSFTConfig,
+    PoolConfig,
+    QConfig,
+    RoundMethodConfig,
+    SelfPlayConfig,
+    STGRPOConfig,
+    round_kinds,
+)
+from repertory.config.sections import (
+    AlgoConfig,
+    EvalConfig,
+    JudgeConfig,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+    WandbConfig,
+    _Section,
+)
+from repertory.envs import make
+from repertory.types import RepertoryError
+
+
+class TrainConfig(_Section):
+    """Everything a training run needs. Every field has a default; a recipe overrides some."""
+
+    name: str | None = Field(None, description="Run name; default: <method>-<env>-<timestamp>.")
+    output_dir: str = Field("runs", description="Where run directories are created.")
+    seed: int = Field(0, ge=0, description="Master seed of kernels, sampling and mini-batch order.")
+    iterations: int = Field(8, ge=1, description="Rollout + update iterations.")
+    checkpoint_every: int = Field(1, ge=1, description="Write a checkpoint every N iterations (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    method: MethodConfig = Field(
+        default_factory=SelfPlayConfig,
+        description="How the policy learns: kind selfplay or adalign (online: rollout and update every iteration), "
+        "igrpo, st-grpo, mt-sft, mt-kto, mt-ppo, archer or archer-lc (each iteration a batch-online deployment "
+        "round), with that method's settings.",
+    )
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    tracking: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where every metrics line, the config and the report go: jsonl (RUN/metrics.jsonl, always), "
+        "tensorboard (RUN/tensorboard), wandb (see the wandb section).",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @property
+    def method_name(self) -> str:
+        """What trains the policy: an online method's estimator, else the round method (the run's name, the
+        CLI's and the report's label)."""
+        return self.method.kind if self.round_based else getattr(self.method, "estimator", self.method.kind)
+
+    @property
+    def round_based(self) -> bool:
+        """Whether each iteration is a batch-online deployment round (a round method)."""
+        return isinstance(self.method, RoundMethodConfig)
+
+    @model_validator(mode="after")
+    def _pool_of_adalign(self) -> TrainConfig:
+        if self.rollout.opponent == "pool" and self.method.kind != "adalign":
+            raise ValueError(
+                f"rollout.opponent pool serves the snapshots of method kind adalign (got {self.method.kind})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _judge_when_needed(self) -> TrainConfig:
+        if self.judge.kind == "none" and make(self.rollout.env, **self.rollout.env_options).needs_judge:
+            raise ValueError(
+                f"rollout.env_options {self.rollout.env_options} score {self.rollout.env} with a judge: set judge.kind "
+                "(openai or local), or use reward: verifiable"
+            )
+        return self
+
+
+def register_method_config(cls: type[BaseModel]) -> type[BaseModel]:
+    """Class decorator adding a method's config to the ``method`` section (its ``kind`` default names it): a
+    round method's extends :class:`RoundMethodConfig`. The built-in ones are the union's members already."""
+    kind = cls.model_fields["kind"].default if "kind" in cls.model_fields else None
+    if not isinstance(kind, str):
+        raise RepertoryError(f"{cls.__name__} needs a kind: Literal[...] field with its name as the default")
+    if kind in METHOD_CONFIGS:
+        raise RepertoryError(f"method config {kind!r} is already registered")
+    METHOD_CONFIGS[kind] = cls
+    _rebuild_method_union()
+    return cls
+
+
+def _rebuild_method_union() -> None:
+    """Make ``TrainConfig.method`` the discriminated union of :data:`METHOD_CONFIGS` again."""
+    union = Annotated[Union[tuple(METHOD_CONFIGS.values())], Field(discriminator="kind")]  # noqa: UP007
+    field = TrainConfig.model_fields["method"]
+    TrainConfig.model_fields["method"] = FieldInfo.merge_field_infos(field, annotation=union)
+    TrainConfig.model_rebuild(force=True)
+
+
+class WarmStartConfig(_Section):
+    """Before a suite's grid, per environment: the partner bot plays both seats on train kernels, one ``mt-sft``
+    round imitates the trained seat's turns, and the result is exported; every run of that environment starts
+    from it. A small model that never writes the games' action tags learns them here, so the grid's rounds
+    have outcomes to learn from."""
+
+    episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations per environment.")
+    epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
+    lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")
+
+
+class SuiteConfig(_Section):
+    """A grid of runs (a recipe file whose top-level key is ``suite``): every method x environment x seed starts
+    from ``recipe`` with ``set`` applied, then the table of docs/algorithms.md 5.7 is built from the runs."""
+
+    recipe: str = Field(description="The recipe every run starts from (a shipped name or a file).")
+    methods: list[str | dict[str, Any]] = Field(
+        min_length=1,
+        description="Round methods, one run each: a kind (igrpo), or a kind with its settings ({kind: igrpo, "
+        "candidates: 4}); each keeps the recipe's settings its kind shares.",
+    )
+    envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
+    set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
+    output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
+    warm_start: WarmStartConfig | None = Field(
+        None, description="Imitate the partner bot once per environment before the grid (see WarmStartConfig)."
+    )
+
+    @field_validator("methods")
+    @classmethod
+    def _round_methods(cls, methods: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        for entry in methods:
+            kind = entry if isinstance(entry, str) else entry.get("kind")
+            if kind not in round_kinds():
+                raise ValueError(f"unknown round method {kind!r}; allowed: {', '.join(round_kinds())}")
+        return methods
+
+    def method_overrides(self, entry: str | dict[str, Any]) -> tuple[str, list[str]]:
+        """A ``methods`` entry's kind and the overrides that select it on top of ``set``."""
+        if isinstance(entry, str):
+            return entry, [f"method.kind={entry}"]
+
+        def leaves(node: dict[str, Any], prefix: str) -> list[str]:
+            return [
+                item
+                for key, value in node.items()
+                for item in (
+                    leaves(value, f"{prefix}{key}.")
+                    if isinstance(value, dict)
+                    else [f"{prefix}{key}={json.dumps(value)}"]
+                )
+            ]
+
+        settings = leaves({k: v for k, v in entry.items() if k != "kind"}, "method.")
+        return str(entry["kind"]), [f"method.kind={entry['kind']}", *settings]
+
+    def warm_demos(self, env: str) -> Path:
+        """The warm start's bot-vs-bot episodes of ``env``."""
+        return Path(self.output_dir) / f"warm-{env}-demos.parquet"
+
+    def warm_model(self, env: str) -> Path:
+        """The exported warm-started policy every run of ``env`` starts from."""
+        return Path(self.output_dir) / f"warm-{env}-model"
+
+    def warm_run(self, env: str) -> Path:
+        """The run directory of the warm start of ``env``."""
+        return Path(self.output_dir) / f"warm-{env}"
+
+    def warm_overrides(self, env: str) -> list[str]:
+        """The warm-start run of ``env``: one mt-sft round on every demonstration, then a held-out evaluation."""
+        assert self.warm_start is not None
+        return [
+            *self.set,
+            f"rollout.env={env}",
+            "iterations=1",
+            "method.kind=mt-sft",
+            f"method.logs={self.warm_demos(env)}",
+            "method.quantile=0",
+            f"method.epochs={self.warm_start.epochs}",
+            f"algo.lr={self.warm_start.lr}",
+            f"output_dir={self.output_dir}",
+            f"name={self.warm_run(env).name}",
+        ]
+
+
+class SuiteFile(_Section):
+    """A suite recipe file: its one top-level key."""
+
+    suite: SuiteConfig
+
+
+RECIPES = "recipes"
+
+
+def recipe_names() -> list[str]:
+    """The recipes shipped with repertory."""
+    shipped = resources.files("repertory").joinpath(RECIPES).iterdir()
+    return sorted(p.name[:-5] for p in shipped if p.name.endswith(".yaml"))
+
+
+def recipe_text(recipe: str) -> tuple[str, str]:
+    path = Path(recipe)
+    if path.is_file():
+        return path.read_text(), str(path)
+    shipped = resources.files("repertory").joinpath(RECIPES, f"{recipe}.yaml")
+    if shipped.is_file():
+        return shipped.read_text(), f"recipe {recipe}"
+    raise RepertoryError(f"no recipe file {recipe!r}; shipped recipes: {', '.join(recipe_names())}")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RepertoryError(f"--set {item!r}: expected key=value, e.g. --set algo.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise RepertoryError(f"--set {item!r}: the value is not valid YAML ({err.problem})") from None
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RepertoryError(f"--set {'.'.join(path)}: {part} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def describe_error(err: ValidationError, source: str, root: type[BaseModel] = TrainConfig) -> str:
+    """A validation error as one line per problem: the key path, what is wrong and what is allowed."""
+    lines = []
+    for item in err.errors():
+        loc = item["loc"]
+        if loc[:1] == ("method",) and len(loc) > 1 and loc[1] in METHOD_CONFIGS:
+            loc = ("method", *loc[2:])  # the union's tag is not a key of the file
+            model: type[BaseModel] = METHOD_CONFIGS[str(item["loc"][1])]
+            inner: tuple[Any, ...] = loc[1:]
+        else:
+            model, inner = root, loc
+        path = ".".join(str(p) for p in loc)
+        if item["type"] == "union_tag_invalid":
+            allowed = ", ".join(METHOD_CONFIGS)
+            lines.append(f"{path}.kind: unknown method {item['input'].get('kind')!r}; allowed: {allowed}")
+        elif item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key; allowed here: {', '.join(_allowed_keys(inner, model))}")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            got = "" if isinstance(item["input"], dict) else f" (got {item['input']!r})"
+            lines.append(f"{path}: {message}{got}")
+    return f"invalid configuration in {source}:\n  " + "\n  ".join(lines)
+
+
+def _allowed_keys(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
+    model = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            break
+        inner = [a for a in (field.annotation, *get_args(field.annotation)) if isinstance(a, type)]
+        nested = [a for a in inner if issubclass(a, BaseModel)]
+        if not nested:
+            break
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """A recipe (file path or shipped name; None = defaults) with ``key=value`` overrides, validated."""
+    data: dict[str, Any] = {}
+    source = "the defaults"
+    if recipe is not None:
+        text, source = recipe_text(recipe)
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise RepertoryError(f"{source} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RepertoryError(f"{source} must be a mapping of config keys, not {type(loaded).__name__}")
+        data = loaded or {}
+    data = translate(data)
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        for new, new_value in translate_override(path, value, data):
+            if new == ["method", "kind"]:
+                switch_kind(data, new_value)
+            else:
+                _apply_override(data, new, new_value)
+    if isinstance(data.get("method"), dict):
+        data["method"].setdefault("kind", "selfplay")
+    if overrides:
+        source += " with --set " + " ".join(overrides)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise RepertoryError(describe_error(err, source)) from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The fully resolved configuration as YAML (what a run directory's config.yaml holds)."""
+    data = config.model_dump(mode="json")
+    data["method"] = {"kind": data["method"].pop("kind"), **data["method"]}  # what the section is, first
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+__all__ = [
+    "METHOD_CONFIGS",
+    "AdAlignConfig",
+    "AdapterConfig",
+    "AlgoConfig",
+    "ArcherConfig",
+    "ArcherLCConfig",
+    "CriticConfig",
+    "EvalConfig",
+    "IGRPOConfig",
+    "JudgeConfig",
+    "LoraConfig",
+    "MTKTOConfig",
+    "MTPPOConfig",
+    "MTSFTConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "PoolConfig",
+    "QConfig",
+    "RoundMethodConfig",
+    "RolloutConfig",
+    "STGRPOConfig",
+    "SelfPlayConfig",
+    "SuiteConfig",
+    "SuiteFile",
+    "TrainConfig",
+    "WandbConfig",
+    "WarmStartConfig",
+    "describe_error",
+    "dump_config",
+    "load_config",
+    "recipe_names",
+    "recipe_text",
+    "register_method_config",
+    "round_kinds",
+]

@@ -1,0 +1,168 @@
+"""What a training method is: a registered class with its own config (``method.kind``), its own state, and the
+small context it works in, never the trainer.
+
+Online methods (:class:`OnlineMethod`) assign advantages to each iteration's scored batch; the trainer rolls out
+and runs the learner's update. Round methods (:class:`RoundMethod`) improve the policy offline from a round's
+logged turns through a :class:`RoundContext`: the learner, a sampler of fresh responses at logged states, the run
+directory and the seed. A checkpoint is the learner's state plus each method's :meth:`Method.save`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from repertory.config import AlgoConfig, CriticConfig, MethodConfig
+from repertory.envs import Env
+from repertory.envs.replay import replay
+from repertory.generation import Backend, Generation, SamplingParams, TokenTrie
+from repertory.models import LoadedModel
+from repertory.runs import RunDir
+from repertory.store import read_episodes
+from repertory.store.turns import LoggedTurn
+from repertory.train.batch import Batch
+from repertory.train.learner import Learner
+from repertory.train.turns import read_turns
+from repertory.types import Episode, RepertoryError, derive
+
+
+class Method:
+    """A training method: ``kind`` names it in ``method.kind``; an instance holds its config and its state."""
+
+    kind: ClassVar[str]
+    online: ClassVar[bool]
+
+    def __init__(self, config: Any, seed: int):
+        self.config = config
+        self.seed = seed
+
+    @property
+    def value(self) -> bool:
+        """Whether the learner carries a value model for this method."""
+        return False
+
+    @property
+    def value_settings(self) -> CriticConfig:
+        """The learner's value model's settings (read only when :attr:`value`)."""
+        return getattr(self.config, "critic", None) or CriticConfig()
+
+    @property
+    def discount(self) -> float:
+        """gamma of the held-out expected discounted return J: the method's discount per agent turn."""
+        return float(self.config.discount)
+
+    def save(self, directory: Path) -> None:
+        """Write the method's own state (besides the learner's) into a checkpoint directory."""
+
+    def load(self, directory: Path) -> None:
+        """Restore what :meth:`save` wrote."""
+
+
+class OnlineMethod(Method):
+    """Rollout and update every iteration; the method turns the scored batch's rewards into advantages."""
+
+    online = True
+
+    def credit(self, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
+        """Assign every trained sample of the scored ``batch`` its advantages (and critic targets); the metrics."""
+        raise NotImplementedError
+
+
+@dataclass
+class RoundContext:
+    """What a round method may use while it improves the policy offline: the learner, the sampler of the live
+    policy (fresh responses at logged states), the run directory, the seed and the learner's settings."""
+
+    learner: Learner
+    backend: Backend
+    params: SamplingParams
+    constrained: bool
+    run_dir: RunDir
+    seed: int
+    algo: AlgoConfig
+    tokenizer: Any
+    gamma: float
+    sync: Callable[[], None]
+    write_credit: Callable[[int, Batch], None]
+
+    def history(
+        self, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
+    ) -> tuple[list[LoggedTurn], dict[str, Episode]]:
+        """Every round's logged turns and deployed conversations up to this one (read back from the run)."""
+        all_turns, all_episodes = [], {}
+        for k in range(round_index):
+            if self.run_dir.turns(k).is_file():
+                all_turns += read_turns(self.run_dir.turns(k), self.tokenizer, self.gamma)
+            deployed = self.run_dir.episodes(k)
+            if deployed.is_file():
+                all_episodes.update({ep.episode_id: ep for ep in read_episodes(deployed)})
+        return all_turns + turns, {**all_episodes, **episodes}
+
+    def sample(
+        self, states: list[LoggedTurn], episodes: dict[str, Episode], n: int, key: tuple
+    ) -> tuple[list[Generation], list[tuple[Env, str] | None]]:
+        """``n`` fresh responses of the live policy per logged state, sampled as deployed (constrained where the
+        deployment was), and each state's replayed referee (None without its conversation)."""
+        replayed = [
+            replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
+        ]
+        prompts = [x.prompt_ids for x in states for _ in range(n)]
+        seeds = [derive(self.seed, *key, x.episode_id, x.t, c, "sample") for x in states for c in range(n)]
+        constraints = [self._constraint(state) for state in replayed for _ in range(n)]
+        return self.backend.generate(prompts, self.params, seeds, constraints), replayed
+
+    def _constraint(self, state: tuple[Env, str] | None) -> TokenTrie | None:
+        """Candidates are sampled as the policy was deployed: constrained to the state's valid actions where
+        ``rollout.constrained`` and the action set is finite."""
+        if state is None or not self.constrained:
+            return None
+        env, role = state
+        choices = env.action_choices(role)
+        return self.backend.constraint(choices) if choices is not None else None
+
+
+class RoundMethod(Method):
+    """Improve the policy offline from one deployment round's log (docs/algorithms.md 5-6). ``from_logs``: round
+    0 may learn from a user's logs (``method.logs``)."""
+
+    online = False
+    from_logs: ClassVar[bool] = True
+
+    def __init__(self, config: Any, seed: int, initial: LoadedModel, device: str | None):
+        """``initial`` is the policy before any adapter (a method's critic copies it); ``device`` the model's."""
+        super().__init__(config, seed)
+
+    def improve(
+        self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
+    ) -> dict[str, float]:
+        """The round's offline policy improvement; its metrics."""
+        raise NotImplementedError
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator adding a method to :data:`METHODS` under its ``kind``."""
+    if cls.kind in METHODS:
+        raise RepertoryError(f"method {cls.kind!r} is already registered")
+    METHODS[cls.kind] = cls
+    return cls
+
+
+def build_method(config: MethodConfig, seed: int, initial: LoadedModel, device: str | None) -> Method:
+    """The registered method of ``config.kind``, with its own modules built (before the learner wraps the model)."""
+    if config.kind not in METHODS:
+        raise RepertoryError(f"method.kind: no method registered as {config.kind!r}; known: {', '.join(METHODS)}")
+    cls = METHODS[config.kind]
+    if issubclass(cls, RoundMethod):
+        return cls(config, seed, initial, device)
+    return cls(config, seed)
+
+
+def chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    """Consecutive slices of ``items`` of at most ``size`` (the optimiser batches of the round methods)."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
