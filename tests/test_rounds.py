@@ -802,12 +802,9 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
     with pytest.raises(RepertoryError, match="suite.methods"):
         load_suite(str(bad))
     bad.write_text(
-        "suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], set: [rollout.opponent=base], "
-        "warm_start: {episodes: 4}}\n"
+        "suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], warm_start: {bot: always-defect}}\n"
     )
-    with pytest.raises(
-        RepertoryError, match="the partner on craigslist is 'base'; set rollout.opponent to one of: bot"
-    ):
+    with pytest.raises(RepertoryError, match="warm_start.bot: 'always-defect' is no bot of craigslist; allowed: bot"):
         load_suite(str(bad))
 
 
@@ -848,25 +845,27 @@ def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_fro
     suite = load_suite(str(suite_file))
     started = []
     table = run_suite(suite, on_run=lambda n, t: started.append(n))
-    assert started == ["warm-ipd", "st-grpo-ipd-s0", "st-grpo-ipd-s1"]
-    demos = read_episodes(grid / "warm-ipd-demos.parquet")
+    assert started == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]
+    (warm,) = (grid / "warm-starts").iterdir()  # one warm start, shared by both seeds
+    demos = read_episodes(warm / "demos.parquet")
     assert len(demos) == 3 and {s.policy_id for ep in demos for s in ep.seats} == {"scripted:always-cooperate"}
-    warm = load_config(str(grid / "warm-ipd" / "config.yaml"))
-    assert (warm.method.kind, warm.method.logs, warm.iterations) == (
+    imitation = load_config(str(warm / "run" / "config.yaml"))
+    assert (imitation.method.kind, imitation.method.logs, imitation.iterations) == (
         "mt-sft",
-        str(grid / "warm-ipd-demos.parquet"),
+        str(warm / "demos.parquet"),
         1,
     )
-    logged = read_turns(grid / "warm-ipd" / "rounds" / "turns-000000.parquet", tokenizer, 0.95)
+    logged = read_turns(warm / "run" / "rounds" / "turns-000000.parquet", tokenizer, 0.95)
     imitated = {tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in logged}
     assert len(logged) == 3 * 2 * 10 and imitated == {"<choose>A</choose>"}  # both seats: ipd fixes none
     for seed in (0, 1):
         run = load_config(str(grid / f"st-grpo-ipd-s{seed}" / "config.yaml"))
-        assert run.model.name == str(grid / "warm-ipd-model")
+        assert run.model.name == str(warm / "model") and run.warm_start.episodes == 3
     assert table.methods == ["base", "st-grpo"]  # the warm start is the base row, not a method of the grid
     again = []
     run_suite(suite, on_run=lambda n, t: again.append(n))
-    assert again == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]  # warm start and runs are done: nothing retrains
+    assert again == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]  # resumed finished runs: nothing retrains
+    assert [p.name for p in (grid / "warm-starts").iterdir()] == [warm.name]
 
 
 def test_train_command_runs_a_suite(tmp_path, tokenizer, capsys):

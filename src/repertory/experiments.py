@@ -3,6 +3,7 @@ suite's warm start, and the approximate exploitability of a frozen policy (8.3).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -11,17 +12,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from repertory.agents.resolve import make_agent
 from repertory.config import SuiteConfig, SuiteFile, describe_error, load_config, recipe_names, recipe_text
-from repertory.envs import env_class
 from repertory.eval import evaluate, partner_outcome
 from repertory.models import LoadedModel
-from repertory.models.checkpoints import export_policy
 from repertory.report import ResultsTable, results_table
-from repertory.rollout import run_episodes, schedule
 from repertory.runs import RunDir, is_run_or_checkpoint
 from repertory.stats import mean_se
-from repertory.store import write_episodes
 from repertory.train import Trainer, check_names, resume_run, start_run
 from repertory.types import RepertoryError, derive
 
@@ -40,17 +36,8 @@ def load_suite(recipe: str) -> SuiteConfig | None:
         suite = SuiteFile.model_validate(loaded).suite
     except ValidationError as err:
         raise RepertoryError(describe_error(err, source, SuiteFile)) from None
-    for env in suite.envs:
-        for entry in suite.methods:
-            _, selected = suite.method_overrides(entry)
-            check_names(load_config(suite.recipe, [*suite.set, *selected, f"rollout.env={env}"]))
-        if suite.warm_start is not None:
-            partner = load_config(suite.recipe, suite.warm_overrides(env)).rollout.opponent
-            if partner not in env_class(env).bots:
-                raise RepertoryError(
-                    f"{source}: suite.warm_start imitates the partner bot, but the partner on {env} is {partner!r}; "
-                    f"set rollout.opponent to one of: {', '.join(env_class(env).bots)}"
-                )
+    for _, overrides in suite_runs(suite):
+        check_names(load_config(suite.recipe, overrides))
     return suite
 
 
@@ -64,39 +51,9 @@ def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
                 name = f"{method}-{env}-s{seed}"
                 overrides = [*suite.set, *selected, f"rollout.env={env}", f"seed={seed}"]
                 if suite.warm_start is not None:
-                    overrides.append(f"model.name={suite.warm_model(env)}")
+                    overrides += [f"warm_start.{k}={json.dumps(v)}" for k, v in suite.warm_start.model_dump().items()]
                 out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
     return out
-
-
-def warm_start(
-    suite: SuiteConfig,
-    env: str,
-    loaded: Callable[[], LoadedModel] | None = None,
-    on_run: Callable[[str, Trainer], None] | None = None,
-    on_line: Callable[[dict[str, Any]], None] | None = None,
-) -> Path:
-    """The suite's warm start of ``env`` (see WarmStartConfig): bot-vs-bot demonstrations, one mt-sft round on
-    them, the policy exported. Each step is skipped when its output exists, so an interrupted suite resumes."""
-    assert suite.warm_start is not None
-    model_dir = suite.warm_model(env)
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    config = load_config(suite.recipe, suite.warm_overrides(env))
-    demos = suite.warm_demos(env)
-    if not demos.is_file():
-        cls = env_class(env)
-        bots = [make_agent(config.rollout.opponent, cls) for _ in cls.roles]
-        demos.parent.mkdir(parents=True, exist_ok=True)
-        write_episodes(demos, run_episodes(schedule(env, bots, suite.warm_start.episodes, config.seed, "train")))
-    run_dir = RunDir(suite.warm_run(env))
-    model = loaded() if loaded is not None else None
-    trainer = resume_run(run_dir, loaded=model) if run_dir.is_run() else start_run(config, model)
-    if on_run is not None:
-        on_run(run_dir.name, trainer)
-    if trainer.iteration < trainer.config.iterations:
-        trainer.fit(on_line)
-    return export_policy(run_dir.root, model_dir, config.model.device or "cpu")
 
 
 def run_suite(
@@ -108,17 +65,11 @@ def run_suite(
     """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
     so rerunning the suite continues it — then write ``table.md`` and ``table.csv`` into the output directory."""
     runs = []
-    warmed: set[str] = set()
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
-        env = load_config(suite.recipe, overrides).rollout.env
-        if suite.warm_start is not None and env not in warmed:
-            warm_start(suite, env, loaded, on_run, on_line)
-            warmed.add(env)
-        # Warm-started runs load their environment's exported policy, not the caller's model.
-        model = loaded() if loaded is not None and suite.warm_start is None else None
-        if run_dir.is_run():
-            trainer = resume_run(run_dir, loaded=model)
+        model = loaded() if loaded is not None else None
+        if run_dir.is_run():  # a warm-started run resumes from its exported policy, not the caller's model
+            trainer = resume_run(run_dir, loaded=model if suite.warm_start is None else None)
         else:
             trainer = start_run(load_config(suite.recipe, overrides), model)
         if on_run is not None:

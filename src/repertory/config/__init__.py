@@ -45,9 +45,10 @@ from repertory.config.sections import (
     ModelConfig,
     RolloutConfig,
     WandbConfig,
+    WarmStartConfig,
     _Section,
 )
-from repertory.envs import make
+from repertory.envs import env_class, make
 from repertory.types import RepertoryError
 
 
@@ -71,6 +72,9 @@ class TrainConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    warm_start: WarmStartConfig | None = Field(
+        None, description="Imitate the game's bot before training, and start from the result (see WarmStartConfig)."
+    )
     tracking: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["jsonl"],
         description="Where every metrics line, the config and the report go: jsonl (RUN/metrics.jsonl, always), "
@@ -94,6 +98,16 @@ class TrainConfig(_Section):
         if self.rollout.opponent == "pool" and self.method.kind != "adalign":
             raise ValueError(
                 f"rollout.opponent pool serves the snapshots of method kind adalign (got {self.method.kind})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warm_start_bot(self) -> TrainConfig:
+        bots = list(env_class(self.rollout.env).bots)
+        if self.warm_start is not None and (not bots or self.warm_start.bot not in (None, *bots)):
+            allowed = ", ".join(bots) if bots else f"none: {self.rollout.env} has no bot, remove warm_start"
+            raise ValueError(
+                f"warm_start.bot: {self.warm_start.bot!r} is no bot of {self.rollout.env}; allowed: {allowed}"
             )
         return self
 
@@ -128,17 +142,6 @@ def _rebuild_method_union() -> None:
     TrainConfig.model_rebuild(force=True)
 
 
-class WarmStartConfig(_Section):
-    """Before a suite's grid, per environment: the partner bot plays both seats on train kernels, one ``mt-sft``
-    round imitates the trained seat's turns, and the result is exported; every run of that environment starts
-    from it. A small model that never writes the games' action tags learns them here, so the grid's rounds
-    have outcomes to learn from."""
-
-    episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations per environment.")
-    epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
-    lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")
-
-
 class SuiteConfig(_Section):
     """A grid of runs (a recipe file whose top-level key is ``suite``): every method x environment x seed starts
     from ``recipe`` with ``set`` applied, then the table of docs/algorithms.md 5.7 is built from the runs."""
@@ -154,7 +157,7 @@ class SuiteConfig(_Section):
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
     output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
     warm_start: WarmStartConfig | None = Field(
-        None, description="Imitate the partner bot once per environment before the grid (see WarmStartConfig)."
+        None, description="Every run starts from its environment's warm start (see WarmStartConfig), built once."
     )
 
     @field_validator("methods")
@@ -184,34 +187,6 @@ class SuiteConfig(_Section):
 
         settings = leaves({k: v for k, v in entry.items() if k != "kind"}, "method.")
         return str(entry["kind"]), [f"method.kind={entry['kind']}", *settings]
-
-    def warm_demos(self, env: str) -> Path:
-        """The warm start's bot-vs-bot episodes of ``env``."""
-        return Path(self.output_dir) / f"warm-{env}-demos.parquet"
-
-    def warm_model(self, env: str) -> Path:
-        """The exported warm-started policy every run of ``env`` starts from."""
-        return Path(self.output_dir) / f"warm-{env}-model"
-
-    def warm_run(self, env: str) -> Path:
-        """The run directory of the warm start of ``env``."""
-        return Path(self.output_dir) / f"warm-{env}"
-
-    def warm_overrides(self, env: str) -> list[str]:
-        """The warm-start run of ``env``: one mt-sft round on every demonstration, then a held-out evaluation."""
-        assert self.warm_start is not None
-        return [
-            *self.set,
-            f"rollout.env={env}",
-            "iterations=1",
-            "method.kind=mt-sft",
-            f"method.logs={self.warm_demos(env)}",
-            "method.quantile=0",
-            f"method.epochs={self.warm_start.epochs}",
-            f"algo.lr={self.warm_start.lr}",
-            f"output_dir={self.output_dir}",
-            f"name={self.warm_run(env).name}",
-        ]
 
 
 class SuiteFile(_Section):

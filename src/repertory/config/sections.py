@@ -215,3 +215,18 @@ class WandbConfig(_Section):
         description="offline (files under RUN/wandb, `wandb sync` later), online or disabled; default: "
         "WANDB_MODE, else offline.",
     )
+
+
+class WarmStartConfig(_Section):
+    """Before training, the game's bot plays every seat on train kernels, one ``mt-sft`` round imitates its
+    turns, and the run starts from the exported result (cached under ``<output_dir>/warm-starts/``, shared by
+    every run it would be the same for: same environment, model, bot, budget; any seed, any method). A small
+    model that never writes a game's action tags learns them here, so its outcomes have something to learn from."""
+
+    bot: str | None = Field(
+        None,
+        description="The bot imitated; default: rollout.opponent if it is a bot of the game, else the game's partner.",
+    )
+    episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations.")
+    epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
+    lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")

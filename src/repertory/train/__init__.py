@@ -10,13 +10,17 @@ policy loss, generation backend) is checked before any model loads.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from repertory.algos.losses import get_policy_loss
 from repertory.config import TrainConfig, dump_config, load_config
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
+from repertory.models.checkpoints import export_policy
 from repertory.runs import RunDir, new_run_dir
-from repertory.train import distributed
+from repertory.train import distributed, warm
 from repertory.train.base import TIMING_PREFIXES, Trainer
 from repertory.train.methods import METHODS
 from repertory.train.online import OnlineTrainer
@@ -47,10 +51,39 @@ def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = Non
     return loop(config, run_dir, loaded)
 
 
+def warm_started(
+    config: TrainConfig, loaded: LoadedModel | None = None, on_line: Callable[[dict[str, Any]], None] | None = None
+) -> Path:
+    """The exported warm-started policy of ``config`` (:mod:`repertory.train.warm`): found in its cache, or
+    built there from ``loaded`` (else ``model.name``) — demonstrations, one mt-sft round, the export."""
+    directory = warm.warm_dir(config)
+    model = directory / warm.MODEL
+    if (model / "config.json").is_file():
+        return model
+    if distributed.world_size() > 1:
+        raise RepertoryError(f"the warm start {directory} is not built yet; build it with one process first")
+    if not (directory / warm.DEMOS).is_file():
+        warm.write_demonstrations(config, directory / warm.DEMOS)
+    run = RunDir(directory / warm.RUN)
+    trainer = (
+        resume_run(run.root, loaded=loaded)
+        if run.is_run()
+        else start_run(warm.imitation_config(config, directory), loaded)
+    )
+    if trainer.iteration < trainer.config.iterations:
+        trainer.fit(on_line)
+    return export_policy(run.root, model, config.model.device or "cpu")
+
+
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
     """Create the run directory (process 0 of data-parallel training), write the resolved config, build the
-    trainer. Under a launcher (``WORLD_SIZE`` > 1) it joins the process group first."""
+    trainer. Under a launcher (``WORLD_SIZE`` > 1) it joins the process group first. With ``warm_start`` the run
+    starts from the warm-started policy (its ``model.name`` in the run's config)."""
     distributed.initialise()
+    if config.warm_start is not None:
+        path = warm_started(config, loaded)
+        config = config.model_copy(update={"model": config.model.model_copy(update={"name": str(path)})})
+        loaded = None
     run_dir = distributed.broadcast(new_run_dir(config) if distributed.is_main() else None)
     trainer = build(config, run_dir, loaded)
     if distributed.is_main():
@@ -92,4 +125,5 @@ __all__ = [
     "check_names",
     "resume_run",
     "start_run",
+    "warm_started",
 ]

@@ -1,0 +1,85 @@
+"""Warm starts (``warm_start`` in a config): before a run trains, the game's bot plays every seat on train
+kernels, one ``mt-sft`` round imitates its turns, and the run starts from the exported result.
+
+A small model that never writes a game's action tags has no outcome to learn from; imitating the bot first
+gives every method of a comparison the same competent starting policy. The warm start is cached under
+``<output_dir>/warm-starts/<env>-<digest>``, the digest covering everything that shapes it (environment and
+options, model and adapter, bot, budget, sampling) but not the run's seed or method, so every run of a
+comparison reuses it. Each of its steps (demonstrations, the imitation run, the export) is skipped when its
+output exists, so an interrupted warm start resumes (:func:`repertory.train.warm_started` runs them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from repertory.agents.resolve import make_agent
+from repertory.config import TrainConfig
+from repertory.envs import env_class
+from repertory.rollout import run_episodes, schedule
+from repertory.store import write_episodes
+from repertory.types import RepertoryError
+
+DEMOS, RUN, MODEL = "demos.parquet", "run", "model"
+
+
+def warm_bot(config: TrainConfig) -> str:
+    """The bot the warm start imitates: ``warm_start.bot``, else the run's opponent if it is a bot of the game,
+    else the game's default partner, else its first bot."""
+    assert config.warm_start is not None
+    bots = list(env_class(config.rollout.env).bots)
+    if not bots:
+        raise RepertoryError(f"warm_start imitates a bot, and {config.rollout.env} has none; remove warm_start")
+    partner = env_class(config.rollout.env).default_partner
+    for choice in (config.warm_start.bot, config.rollout.opponent, partner):
+        if choice in bots:
+            return choice
+    return bots[0]
+
+
+def warm_dir(config: TrainConfig) -> Path:
+    """Where the warm start of ``config`` is cached (shared by every config it would be the same for)."""
+    assert config.warm_start is not None
+    shape = {
+        "env": config.rollout.env,
+        "env_options": config.rollout.env_options,
+        "model": config.model.model_dump(mode="json"),
+        "bot": warm_bot(config),
+        "budget": config.warm_start.model_dump(mode="json", exclude={"bot"}),
+        "sampling": [config.rollout.temperature, config.rollout.max_new_tokens, config.rollout.constrained],
+        "algo": config.algo.model_dump(mode="json", exclude={"lr"}),
+    }
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(config.output_dir) / "warm-starts" / f"{config.rollout.env}-{digest}"
+
+
+def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
+    """The warm start's own run: one mt-sft round on every demonstration against the bot, then a held-out
+    evaluation (the warm-started policy's score, the comparison's base row)."""
+    assert config.warm_start is not None
+    data: dict[str, Any] = config.model_dump(mode="json")
+    data.update(name=RUN, output_dir=str(directory), iterations=1, warm_start=None, seed=0, tracking=["jsonl"])
+    data["method"] = {
+        "kind": "mt-sft",
+        "logs": str(directory / DEMOS),
+        "quantile": 0.0,
+        "epochs": config.warm_start.epochs,
+    }
+    data["rollout"] = {**data["rollout"], "opponent": warm_bot(config), "workers": 0}
+    data["algo"] = {**data["algo"], "lr": config.warm_start.lr, "kl_mode": "loss"}
+    return TrainConfig.model_validate(data)
+
+
+def write_demonstrations(config: TrainConfig, path: Path) -> None:
+    """``warm_start.episodes`` games of the bot in every seat on train kernels (seed 0), as Parquet."""
+    assert config.warm_start is not None
+    cls = env_class(config.rollout.env)
+    bots = [make_agent(warm_bot(config), cls) for _ in cls.roles]
+    specs = schedule(
+        config.rollout.env, bots, config.warm_start.episodes, 0, "train", env_options=config.rollout.env_options
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_episodes(path, run_episodes(specs))

@@ -1,0 +1,88 @@
+"""Warm starts: the game's bot in every seat, one mt-sft round imitating it, the run starting from the export,
+cached and shared by every run it would be the same for."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_checkpoint
+
+from repertory.agents.resolve import make_agent
+from repertory.config import load_config
+from repertory.envs import env_class
+from repertory.models import load_tokenizer
+from repertory.rollout import run_episodes, schedule
+from repertory.store import read_episodes
+from repertory.train import start_run, warm_started
+from repertory.train.warm import warm_bot, warm_dir
+from repertory.types import RepertoryError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def _config(tmp_path, *extra):
+    return load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "iterations=1",
+            "rollout.env=ipd",
+            "rollout.constrained=true",
+            "rollout.kernels_per_iteration=1",
+            "rollout.max_new_tokens=8",
+            "eval.episodes=0",
+            "warm_start.episodes=2",
+            "warm_start.epochs=1",
+            *extra,
+        ],
+    )
+
+
+def test_the_bot_imitated_and_the_cache_key(tmp_path):
+    assert warm_bot(_config(tmp_path)) == "always-cooperate"  # ipd's partner is itself: its first bot
+    assert warm_bot(_config(tmp_path, "rollout.opponent=tit-for-tat")) == "tit-for-tat"
+    chosen = _config(tmp_path, "warm_start.bot=always-defect", "rollout.opponent=tit-for-tat")
+    assert warm_bot(chosen) == "always-defect"
+    base = warm_dir(_config(tmp_path))
+    # Seeds and methods share a warm start; the model, the bot and the budget do not.
+    assert warm_dir(_config(tmp_path, "seed=3", "method.estimator=grpo", "iterations=9")) == base
+    assert warm_dir(_config(tmp_path, "method.kind=mt-sft", "rollout.opponent=always-cooperate")) == base
+    for other in ("warm_start.episodes=3", "warm_start.bot=always-defect", "model.lora.r=4", "rollout.env=ultimatum"):
+        assert warm_dir(_config(tmp_path, other)) != base, other
+    with pytest.raises(RepertoryError, match="warm_start.bot: 'bot' is no bot of ipd; allowed: always-cooperate, "):
+        _config(tmp_path, "warm_start.bot=bot")
+
+
+def test_a_run_starts_from_its_warm_start_built_once(tmp_path, tokenizer):
+    model = f"model.name={tiny_checkpoint(tmp_path / 'tiny', tokenizer, seed=1)}"
+    config = _config(tmp_path, "name=first", "warm_start.bot=always-cooperate", model)
+    trainer = start_run(config)
+    directory = warm_dir(config)
+    assert trainer.config.model.name == str(directory / "model")  # the run's config.yaml names it
+    demos = read_episodes(directory / "demos.parquet")
+    assert len(demos) == 2 and {s.policy_id for ep in demos for s in ep.seats} == {"scripted:always-cooperate"}
+    built = (directory / "model" / "config.json").stat().st_mtime_ns
+    second = start_run(_config(tmp_path, "name=second", "seed=1", "warm_start.bot=always-cooperate", model))
+    assert second.config.model.name == trainer.config.model.name  # found in the cache, not rebuilt
+    assert (directory / "model" / "config.json").stat().st_mtime_ns == built
+    assert warm_started(config) == directory / "model"
+
+
+@pytest.mark.slow
+def test_the_warm_started_policy_plays_like_the_bot(tmp_path, tokenizer):
+    """A tiny model imitating always-defect defects far more often than before (measured: 0.44 -> 0.74)."""
+    model = f"model.name={tiny_checkpoint(tmp_path / 'tiny', tokenizer, seed=2)}"
+    extra = ("warm_start.bot=always-defect", "warm_start.episodes=8", "warm_start.lr=1e-2", model)
+    trainer = start_run(_config(tmp_path, "name=defect", *extra))
+
+    def defection(agent):
+        cls = env_class("ipd")
+        episodes = run_episodes(schedule("ipd", [agent, make_agent("random", cls)], 16, seed=5, split="heldout"))
+        moves = [t.action.value for ep in episodes for t in ep.trajectory(ep.seats[0].seat_id)]
+        return sum(m == "B" for m in moves) / len(moves)
+
+    untrained = start_run(_config(tmp_path, "name=cold", "warm_start=null", model))
+    before, after = defection(untrained.live), defection(trainer.live)
+    assert after > before + 0.25, (before, after)
