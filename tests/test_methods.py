@@ -64,8 +64,9 @@ def test_a_run_config_holds_only_its_methods_settings():
 @pytest.mark.parametrize(
     ("recipe", "overrides", "expected"),
     [
-        ("default", [], 0.95),
-        ("default", ["method.estimator=grpo"], 1.0),
+        ("default", [], 0.0),  # the main job credits each round with its own reward
+        ("omar-ipd", [], 0.95),
+        ("omar-ipd", ["method.estimator=grpo"], 1.0),
         ("adalign-ipd", [], 0.9),
         ("igrpo-craigslist", [], 0.95),
         ("default", ["method.gamma=0.5"], 0.5),
@@ -148,12 +149,21 @@ def test_a_new_method_is_one_file_its_config_and_a_test(loo, tokenizer, tmp_path
 # configs and checkpoints written before the method section
 
 
-@pytest.mark.parametrize("recipe", ["default", "igrpo-craigslist", "adalign-ipd", "ppo-ipd-vs-cooperator"])
-def test_an_old_run_config_reads_as_the_shipped_recipe(recipe):
+@pytest.mark.parametrize(
+    ("recipe", "since"),
+    [
+        # The default recipe has changed since: 4 iterations, the estimator's discount, evaluated against itself.
+        ("default", ["iterations=4", "method.gamma=0.95", "eval.opponent=null"]),
+        ("igrpo-craigslist", []),
+        ("adalign-ipd", []),
+        ("ppo-ipd-vs-cooperator", []),
+    ],
+)
+def test_an_old_run_config_reads_as_the_shipped_recipe(recipe, since):
     # The old file carries every method's settings at their defaults; only the method's own come through, and
     # the discount its estimator read, explicitly (the shipped recipe may leave it to the estimator's default).
-    discount = load_config(recipe).method.discount
-    expected = dump_config(load_config(recipe, [f"method.gamma={discount}"]))
+    discount = load_config(recipe, since).method.discount
+    expected = dump_config(load_config(recipe, [*since, f"method.gamma={discount}"]))
     assert dump_config(load_config(str(OLD / f"{recipe}.yaml"))) == expected
 
 
@@ -242,3 +252,18 @@ def test_an_old_checkpoint_resumes_with_its_ema_baselines(tokenizer, tmp_path):
     (checkpoint / "method.json").unlink()  # as written before methods kept their own state
     resumed = resume_run(tmp_path / "ema", loaded=tiny_model(tokenizer, seed=2))
     assert resumed.method.estimator_state == baselines and resumed.iteration == 1
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "line_up"),
+    [
+        ("omar-ipd", [], "self"),
+        ("omar-ipd", ["rollout.opponent=always-defect"], "always-defect"),
+        ("default", [], "always-cooperate"),  # the main job's fixed yardstick
+        ("adalign-ipd", [], "self"),  # the pool of snapshots: its live policy
+        ("omar-ipd", ["rollout.env=craigslist"], "bot"),  # a fixed-seat game trained in self-play meets its partner
+        ("omar-ipd", ["rollout.env=craigslist", "eval.opponent=self"], "self"),  # unless told otherwise
+    ],
+)
+def test_the_evaluation_line_up_defaults_to_the_rollout_opponent(recipe, overrides, line_up):
+    assert load_config(recipe, overrides).evaluation_opponent == line_up

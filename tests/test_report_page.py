@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from repertory.report import page
+from repertory.report.metrics import held_out_change
 from repertory.report.page import episode_record, page_data, render_page, sample_evenly, write_page
 from repertory.store import read_credit, write_credit, write_episodes
 from tests.conftest import play, run_cli
@@ -111,8 +112,38 @@ def test_evaluations_and_curves_come_from_the_metrics_lines(run_dir):
     assert outcome["series"]["outcome"] == [[0, 0.4], [1, 0.5], [2, 0.6]]
     assert outcome["series"]["eval/outcome"] == [[0, 0.3], [1, 0.35], [3, 0.45]]
     assert data["crossplay"][0]["M"]["b"]["a"] == 0.8
+    headline = data["headline"]
+    assert headline["opponent"] == "self"  # Werewolf, no seat fixed: it is measured against itself
+    assert (headline["first_iteration"], headline["before"], headline["before_se"]) == (0, 0.3, 0.05)
+    assert (headline["last_iteration"], headline["after"], headline["after_se"]) == (3, 0.45, 0.03)
+    # 0.15 over sqrt(0.05^2 + 0.03^2) = 0.058310
+    assert headline["rise"] == pytest.approx(0.15) and headline["standard_errors"] == pytest.approx(2.57248, abs=1e-5)
     html = render_page(data)
     assert "NaN" not in html.split('id="run-data">')[1].split("</script>")[0]  # JSON has no NaN: a gap
+
+
+def test_the_headline_needs_two_evaluations_and_names_a_change_without_spread():
+    assert held_out_change([{"iteration": 0, "eval/outcome": 0.5, "eval/outcome_se": 0.1}, {"iteration": 1}]) is None
+    assert held_out_change([{"iteration": 0, "outcome": 0.5}]) is None
+    # Every game the same outcome before and after (SE 0, or none logged): the rise has no size in SEs.
+    change = held_out_change([{"iteration": 0, "eval/outcome": 0.6, "eval/outcome_se": 0.0},
+                              {"iteration": 4, "final/outcome": 0.8}])  # fmt: skip
+    assert (change.first_iteration, change.last_iteration, change.after_se) == (0, 5, 0.0)
+    assert change.standard_errors is None
+    assert change.describe() == "0.600 ± 0.000 -> 0.800 ± 0.000 (+0.200, no spread)"
+    fall = held_out_change([{"iteration": 0, "eval/outcome": 0.436, "eval/outcome_se": 0.03},
+                            {"iteration": 3, "final/outcome": 0.412, "final/outcome_se": 0.04}])  # fmt: skip
+    assert fall.describe() == "0.436 ± 0.030 -> 0.412 ± 0.040 (-0.024, -0.5 SE)"
+
+
+def test_the_headline_without_a_config_has_no_line_up(run_dir):
+    (run_dir / "config.yaml").unlink()
+    data, warnings = page_data(run_dir)
+    assert warnings == [] and data["headline"]["opponent"] is None and data["config"] == ""
+    (run_dir / "config.yaml").write_text("rollout: {env: nowhere}\n")
+    data, warnings = page_data(run_dir)
+    assert data["headline"]["opponent"] is None and data["headline"]["after"] == 0.45
+    assert len(warnings) == 1 and "the evaluation line-up is unknown" in warnings[0] and "nowhere" in warnings[0]
 
 
 def test_transcripts_cannot_end_the_data_element_or_fill_the_template(run_dir):
@@ -194,6 +225,10 @@ def test_the_page_renders_filters_and_shows_a_seats_view_in_chromium(run_dir, tm
             tab.on("pageerror", lambda e: errors.append(str(e)))
             tab.goto(path.as_uri())
             assert tab.locator(".chart").count() == 2  # outcome and losses: the figures with data
+            assert tab.inner_text("#headline") == (
+                "Held-out outcome against self: 0.300 ± 0.050 (iteration 0) → 0.450 ± 0.030 (iteration 3), "
+                "+0.150, 2.6 SE"
+            )
             rows = tab.locator("#episode-table tbody tr")
             assert rows.count() == 5
             tab.select_option("#f-iteration", "1")

@@ -16,6 +16,7 @@ from repertory.config import TrainConfig, load_config, recipe_names
 from repertory.experiments import load_suite
 from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.models.checkpoints import load_policy
+from repertory.report.metrics import held_out_change
 from repertory.rollout import run_episodes
 from repertory.runs import RunDir, resolve_checkpoint
 from repertory.store import read_credit, read_episodes
@@ -195,17 +196,19 @@ def _defection_rate(episodes):
 
 
 @pytest.mark.slow
-def test_tiny_model_learns_to_defect_against_always_cooperate(tmp_path, tokenizer):
+def test_one_tiny_model_in_both_seats_learns_to_defect_like_the_main_job(tmp_path, tokenizer):
+    # OMAR's direction at tiny scale, in the main job's shape: one model plays both seats of the IPD in
+    # self-play, credited by hierarchical GAE, and is measured against a fixed cooperator. Turn-level gamma 0:
+    # each round's credit is that round's reward, which defection raises whatever the other seat plays.
     # Full fine-tuning: with frozen tied embeddings behind an RMSNorm, LoRA on a random 64-wide model cannot
     # open a logit gap between A and B wider than about 1.8 nats (p(B) <= 0.86), whatever the estimator.
-    # Turn-level gamma 0: against a fixed cooperator each round's reward depends on that round's move only.
     config = _config(
         tmp_path,
         "learn",
-        "iterations=10",
-        "rollout.opponent=always-cooperate",
+        "iterations=6",
         "rollout.kernels_per_iteration=4",
         "eval.episodes=16",
+        "eval.opponent=always-cooperate",
         "method.estimator=omar",
         "method.gamma=0",
         "algo.lr=3e-3",
@@ -214,11 +217,13 @@ def test_tiny_model_learns_to_defect_against_always_cooperate(tmp_path, tokenize
     trainer = start_run(config, tiny_model(tokenizer, seed=0))
     run_dir = trainer.fit()
     first = read_episodes(run_dir / "episodes" / "iter-000000.parquet")
-    last = read_episodes(run_dir / "episodes" / "iter-000009.parquet")
+    last = read_episodes(run_dir / "episodes" / "iter-000005.parquet")
+    assert all(len([s for s in ep.seats if s.trainable]) == 2 for ep in first + last)
+    # Measured: 0.42 -> 0.92 (sampling at temperature 1); held-out 0.78 -> 0.97, 12 SE.
     assert _defection_rate(first) < 0.6
-    assert _defection_rate(last) > 0.9
-    lines = _lines(run_dir)
-    assert lines[-1]["final/outcome"] > lines[0]["eval/outcome"] + 0.1
+    assert _defection_rate(last) > 0.8
+    change = held_out_change(_lines(run_dir))
+    assert change.rise > 0.1 and change.standard_errors > 2
 
 
 # command line

@@ -73,6 +73,7 @@ def train(
 
     from repertory.config import load_config
     from repertory.experiments import load_suite
+    from repertory.report.metrics import held_out_change, read_metrics
     from repertory.runs import RunDir
     from repertory.train import distributed, resume_run, start_run
 
@@ -116,6 +117,9 @@ def train(
         return
     out.print(f"run: {run_dir}")
     run = RunDir(run_dir)
+    change = held_out_change(read_metrics(run))
+    if change is not None:
+        out.print(f"held-out outcome against {trainer.config.evaluation_opponent}: {change.describe()}")
     out.print(f"metrics: {run.metrics}; learning curves: {run.report}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
     out.print(f"report (open it in a browser): {run.page.resolve()}")

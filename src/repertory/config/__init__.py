@@ -93,6 +93,16 @@ class TrainConfig(_Section):
         """Whether each iteration is a batch-online deployment round (a round method)."""
         return isinstance(self.method, RoundMethodConfig)
 
+    @property
+    def evaluation_opponent(self) -> str:
+        """The line-up of the held-out evaluations: ``eval.opponent``, else the rollout opponent (a pool of
+        snapshots: the live policy itself), except that a fixed-seat game trained in self-play is measured
+        against its partner bot."""
+        spec = self.eval.opponent or self.rollout.opponent
+        spec = "self" if spec == "pool" else spec
+        env = env_class(self.rollout.env)
+        return env.default_partner if spec == "self" and self.eval.opponent is None and env.fixed_seat else spec
+
     @model_validator(mode="after")
     def _pool_of_adalign(self) -> TrainConfig:
         if self.rollout.opponent == "pool" and self.method.kind != "adalign":

@@ -1,7 +1,8 @@
 """``report/index.html``: one self-contained page per run (no server, no network; it opens from ``file://``).
 
 The page holds the learning curves (the series the PNG figures draw), the resolved config, the held-out
-evaluations of the metrics lines, any cross-play results saved into the run (``crossplay-ENV.json``), and an
+evaluations of the metrics lines with a headline (the held-out outcome before the first update and after the
+last, the rise in standard errors), any cross-play results saved into the run (``crossplay-ENV.json``), and an
 episode browser: every seat's transcript as that seat saw it, with channels, invalid actions and the referee's
 reason, rewards and, for trained turns, the advantage and return the estimator gave (``credit/``). Large runs
 are sampled evenly across iterations so the file stays under :data:`MAX_BYTES`.
@@ -19,7 +20,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from repertory.report.metrics import FIGURES, is_standard_error, metric_series, read_metrics, with_final
+from repertory.config import load_config
+from repertory.report.metrics import (
+    FIGURES,
+    held_out_change,
+    is_standard_error,
+    metric_series,
+    read_metrics,
+    with_final,
+)
 from repertory.runs import RunDir
 from repertory.store import StoreError, read_credit, read_episodes
 from repertory.types import Episode, Message, RepertoryError, message_dicts
@@ -118,6 +127,30 @@ def _eval_order(key: str) -> tuple[int, str]:
     return 9, key
 
 
+def _headline(run_dir: RunDir, lines: list[dict[str, Any]], warnings: list[str]) -> dict[str, Any] | None:
+    """The held-out outcome before the first update and after the last, against the evaluation line-up."""
+    change = held_out_change(lines)
+    if change is None:
+        return None
+    opponent = None
+    if run_dir.is_run():
+        try:
+            opponent = load_config(str(run_dir.config)).evaluation_opponent
+        except RepertoryError as exc:
+            warnings.append(f"{run_dir.config}: the evaluation line-up is unknown ({exc})")
+    return {
+        "opponent": opponent,
+        "first_iteration": change.first_iteration,
+        "last_iteration": change.last_iteration,
+        "before": change.before,
+        "before_se": change.before_se,
+        "after": change.after,
+        "after_se": change.after_se,
+        "rise": change.rise,
+        "standard_errors": change.standard_errors,
+    }
+
+
 def _crossplay(run_dir: RunDir, warnings: list[str]) -> list[dict[str, Any]]:
     """The cross-play results saved in the run; a file that is not one becomes a warning."""
     out = []
@@ -167,6 +200,7 @@ def page_data(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES)
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": run_dir.config.read_text() if run_dir.is_run() else "",
         "figures": figures,
+        "headline": _headline(run_dir, lines, warnings),
         "evaluations": _evaluations(lines),
         "crossplay": crossplay,
         "episodes": episodes,

@@ -147,6 +147,18 @@ function renderEvaluations() {
   if (!box.children.length) box.append(el("p", {class: "muted", text: "This run has no held-out evaluation or cross-play result."}));
 }
 
+// The run's headline: did the held-out outcome rise, by how many standard errors of the difference?
+function renderHeadline() {
+  const h = DATA.headline;
+  const box = document.getElementById("headline");
+  if (!h) { box.remove(); return; }
+  const size = h.standard_errors === null ? "neither evaluation varied" : `${Number(h.standard_errors).toFixed(1)} SE`;
+  const against = h.opponent ? ` against ${h.opponent}` : "";
+  box.append(el("strong", {text: `Held-out outcome${against}: `}),
+    `${num(h.before)} ± ${num(h.before_se)} (iteration ${h.first_iteration}) → ${num(h.after)} ± ${num(h.after_se)} ` +
+    `(iteration ${h.last_iteration}), ${signed(h.rise)}, ${size}`);
+}
+
 // Episodes
 
 const state = {page: 0, selected: null, seat: null};
@@ -313,6 +325,7 @@ document.getElementById("run-summary").textContent =
   `${DATA.episodes_total} episodes, ${DATA.figures.length} figures · page written ${DATA.generated}`;
 for (const warning of DATA.warnings) document.getElementById("warnings").append(el("li", {text: warning}));
 document.getElementById("config-text").textContent = DATA.config || "(no config.yaml)";
+renderHeadline();
 renderCurves();
 renderEvaluations();
 setupFilters();

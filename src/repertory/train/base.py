@@ -92,12 +92,7 @@ class Trainer:
             config.rollout.backend,
         )
         self.opponent = self._agent(config.rollout.opponent)
-        eval_spec = config.eval.opponent or config.rollout.opponent
-        if eval_spec == "pool":
-            eval_spec = "self"
-        if eval_spec == "self" and config.eval.opponent is None and self.env.fixed_seat:
-            eval_spec = self.env.default_partner  # negotiations are measured against their partner
-        self.eval_opponent = self._agent(eval_spec)
+        self.eval_opponent = self._agent(config.evaluation_opponent)
         self.kernels = load_kernels(config.rollout.env, "train", config.rollout.env_options)
         self.iteration = 0
         self.discount = self.method.discount  # gamma of the held-out expected discounted return
