@@ -90,6 +90,26 @@ def test_report_table_command(runs, tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
+def test_the_table_of_outcomes_reads_the_outcome_lines(runs, tmp_path, capsys):
+    for run, outcomes in zip(runs[:2], ([0.3, 0.6, 0.5], [0.2, 0.4, 0.45])):
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for line, value in zip(lines, outcomes):
+            line["eval/outcome" if "final/discounted_return" not in line else "final/outcome"] = value
+        lines[-1]["eval/outcome"] = outcomes[-1] - 0.1  # the last line's own pre-update evaluation
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # seed 0: before 0.3, trained 0.6, 0.4 and 0.5 -> best 0.6; seed 1: before 0.2, trained 0.4, 0.35, 0.45
+    table = results_table(runs[:2], metric="outcome")
+    assert table.cells[("igrpo", "craigslist")] == (pytest.approx(0.525), pytest.approx(0.075), 2)
+    assert table.cells[("base", "craigslist")][0] == pytest.approx(0.25)
+    assert table.csv().splitlines()[1] == "base,craigslist,0.250000,0.050000,2,best,outcome"
+    main(["report", "--table", *map(str, runs[:2]), "--metric", "outcome"])
+    assert "held-out outcome, best checkpoint" in capsys.readouterr().out
+    with pytest.raises(RepertoryError, match="metric must be one of discounted_return, outcome"):
+        results_table(runs, metric="elo")
+    with pytest.raises(RepertoryError, match="no held-out evaluation of a trained checkpoint"):
+        results_table(runs[2:3], metric="outcome")
+
+
 def test_report_redraws_a_runs_figures(runs, capsys):
     lines = [json.dumps({"iteration": k, "outcome": 0.1 * k, "kl": 0.01}) for k in range(3)]
     (runs[0] / "metrics.jsonl").write_text("\n".join(lines) + "\n")

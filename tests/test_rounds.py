@@ -796,7 +796,22 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
     with pytest.raises(RepertoryError, match="suite.colour: unknown key; allowed here: recipe, methods, envs"):
         load_suite(str(bad))
     bad.write_text("suite: {recipe: igrpo-craigslist, methods: [magic], envs: [craigslist]}\n")
-    with pytest.raises(RepertoryError, match="suite.methods: unknown round method 'magic'; allowed: igrpo, "):
+    with pytest.raises(RepertoryError, match="suite.methods: unknown method 'magic'; allowed: selfplay, adalign, "):
+        load_suite(str(bad))
+    bad.write_text("suite: {recipe: default, methods: [{kind: selfplay, estimator: grpo}, grpo], envs: [ipd]}\n")
+    with pytest.raises(RepertoryError, match="unknown method 'grpo'"):  # an estimator is no kind
+        load_suite(str(bad))
+    bad.write_text(
+        "suite: {recipe: default, methods: [{kind: selfplay, estimator: grpo}, {kind: selfplay, estimator: grpo, "
+        "gamma: 1}], envs: [ipd]}\n"
+    )
+    with pytest.raises(RepertoryError, match="two methods named 'grpo': their runs would share a directory"):
+        load_suite(str(bad))
+    bad.write_text("suite: {recipe: default, methods: [{kind: selfplay, set: rollout.opponent=pool}], envs: [ipd]}\n")
+    with pytest.raises(RepertoryError, match="selfplay: set must be a list of key=value strings"):
+        load_suite(str(bad))
+    bad.write_text("suite: {recipe: default, methods: [selfplay], envs: [ipd], metric: elo}\n")
+    with pytest.raises(RepertoryError, match="suite.metric"):
         load_suite(str(bad))
     bad.write_text("suite: {recipe: igrpo-craigslist, methods: [], envs: [craigslist]}\n")
     with pytest.raises(RepertoryError, match="suite.methods"):
@@ -806,6 +821,48 @@ def test_bad_suites_are_refused_before_any_work(tmp_path):
     )
     with pytest.raises(RepertoryError, match="warm_start.bot: 'always-defect' is no bot of craigslist; allowed: bot"):
         load_suite(str(bad))
+
+
+def test_the_papers_comparisons_ship_as_suites_of_online_runs():
+    omar = load_suite("omar-ablation-suite")
+    assert [name for name, _ in suite_runs(omar)][:3] == ["omar-ipd-s0", "omar-ipd-s1", "omar-ipd-s2"]
+    configs = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
+    assert {c.method_name for c in configs.values()} == {"omar", "grpo", "reinforce"} and omar.metric == "outcome"
+    # The same budget and line-up as the main job; flat credit on the undiscounted return.
+    assert {(c.iterations, c.evaluation_opponent) for c in configs.values()} == {(3, "always-cooperate")}
+    assert (configs["omar-ipd-s0"].method.gamma, configs["grpo-ipd-s1"].method.gamma) == (0.0, 1.0)
+    aa = load_suite("adalign-ipd-suite")
+    runs = {name: load_config(aa.recipe, overrides) for name, overrides in suite_runs(aa)}
+    assert len(runs) == 9 and {r.iterations for r in runs.values()} == {6}
+    # Only the adalign entry's own `set` sends its runs against the pool of snapshots.
+    assert {name: r.rollout.opponent for name, r in runs.items() if name.endswith("s0")} == {
+        "naive-ipd-s0": "self",
+        "shared-reward-ipd-s0": "self",
+        "adalign-ipd-s0": "pool",
+    }
+    assert runs["adalign-ipd-s2"].method.pool.snapshot_every == 2
+
+
+def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
+    recipe = tmp_path / "online.yaml"
+    overrides = ["rollout.constrained=true", "rollout.kernels_per_iteration=1", "rollout.episodes_per_kernel=2",
+                 "eval.episodes=2", "name=null", "iterations=1"]  # fmt: skip
+    recipe.write_text(dump_config(load_config(None, overrides)))
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [{{kind: selfplay, estimator: omar}}, {{kind: selfplay, "
+        f"estimator: grpo, gamma: 1.0, set: [eval.episodes=4]}}], envs: [ipd], metric: outcome, "
+        f"output_dir: {tmp_path / 'grid'}}}\n"
+    )
+    table = run_suite(load_suite(str(suite_file)), loaded=lambda: tiny_model(tokenizer, seed=6))
+    assert table.methods == ["base", "grpo", "omar"] and table.metric == "outcome"
+    grid = tmp_path / "grid"
+    lines = {m: json.loads((grid / f"{m}-ipd-s0" / "metrics.jsonl").read_text()) for m in table.methods[1:]}
+    assert table.cells[("omar", "ipd")] == (lines["omar"]["final/outcome"], 0.0, 1)
+    assert table.cells[("grpo", "ipd")] == (lines["grpo"]["final/outcome"], 0.0, 1)
+    grpo = load_config(str(tmp_path / "grid" / "grpo-ipd-s0" / "config.yaml"))
+    assert (grpo.method.gamma, grpo.eval.episodes) == (1.0, 4)
+    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",best,outcome")
 
 
 def _suite_recipe(tmp_path):

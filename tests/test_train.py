@@ -226,6 +226,15 @@ def test_one_tiny_model_in_both_seats_learns_to_defect_like_the_main_job(tmp_pat
     assert change.rise > 0.1 and change.standard_errors > 2
 
 
+def test_a_line_up_the_game_lacks_is_named_only_when_the_run_evaluates(tmp_path, tokenizer):
+    # The default recipe evaluates against always-cooperate, an IPD bot; Werewolf has none.
+    config = load_config("default", [f"output_dir={tmp_path}", "rollout.env=werewolf"])
+    with pytest.raises(RepertoryError, match=r"line-up \(eval.opponent\) 'always-cooperate': unknown agent"):
+        start_run(config, tiny_model(tokenizer))
+    silent = load_config("default", [f"output_dir={tmp_path}", "rollout.env=werewolf", "eval.episodes=0"])
+    assert start_run(silent, tiny_model(tokenizer)).eval_opponent is None
+
+
 # command line
 
 

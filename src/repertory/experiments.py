@@ -77,7 +77,7 @@ def run_suite(
         if trainer.iteration < trainer.config.iterations:
             trainer.fit(on_line)
         runs.append(run_dir)
-    table = results_table(runs)
+    table = results_table(runs, metric=suite.metric)
     Path(suite.output_dir, "table.md").write_text(table.markdown())
     Path(suite.output_dir, "table.csv").write_text(table.csv())
     return table

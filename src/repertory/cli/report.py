@@ -16,15 +16,18 @@ def report(
         False, "--table", help="One table of methods x environments over the runs, instead of each run's figures."
     ),
     checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
+    metric: str = typer.Option(
+        "discounted_return", "--metric", help="--table: discounted_return (J at the method's discount) or outcome."
+    ),
     out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
     max_episodes: int = typer.Option(
         300, "--max-episodes", min=0, help="Episodes in the page's browser; more are sampled evenly across iterations."
     ),
 ) -> None:
     """Redraw a run's learning curves and its page RUN/report/index.html (curves, config, evaluations and an
-    episode browser; self-contained, opens from file://), or (--table) the held-out expected discounted return of
-    methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
-    from repertory.report import results_table, write_report
+    episode browser; self-contained, opens from file://), or (--table) the held-out expected discounted return
+    (or outcome) of methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
+    from repertory.report import TABLE_METRICS, results_table, write_report
     from repertory.runs import RunDir
 
     def warn(warning: str) -> None:
@@ -35,9 +38,9 @@ def report(
             for path in write_report(RunDir.existing(run), max_episodes, warn):
                 out.print(str(path))
         return
-    result = results_table(runs, checkpoint)
+    result = results_table(runs, checkpoint, metric)
     seeds = {n for _, _, n in result.cells.values()}
-    grid = Table(title=f"held-out expected discounted return, {checkpoint} checkpoint, mean ± SE over seeds")
+    grid = Table(title=f"{TABLE_METRICS[metric]}, {checkpoint} checkpoint, mean ± SE over seeds")
     grid.add_column("method")
     for env in result.envs:
         grid.add_column(env, justify="right")

@@ -139,13 +139,15 @@ def _train_suite(suite, quiet: bool) -> None:
 
     def on_run(name, trainer) -> None:
         current["name"] = name
-        out.print(f"run {name}: {trainer.iteration} of {trainer.config.iterations} rounds done")
+        unit = "rounds" if trainer.config.round_based else "iterations"
+        out.print(f"run {name}: {trainer.iteration} of {trainer.config.iterations} {unit} done")
 
     def on_line(line) -> None:
         if quiet:
             return
-        parts = [f"{current['name']} round {line['iteration']}"]
-        for key, label in (("eval/discounted_return", "held-out J"), ("q/val_spearman", "Q rank corr.")):
+        parts = [f"{current['name']} iteration {line['iteration']}"]
+        labels = (("eval/outcome", "held-out outcome"), ("eval/discounted_return", "held-out J"))
+        for key, label in (*labels, ("q/val_spearman", "Q rank corr.")):
             if key in line:
                 parts.append(f"{label} {line[key]:.3f}")
         out.print("  " + " | ".join(parts), style="dim")

@@ -159,28 +159,43 @@ class SuiteConfig(_Section):
     recipe: str = Field(description="The recipe every run starts from (a shipped name or a file).")
     methods: list[str | dict[str, Any]] = Field(
         min_length=1,
-        description="Round methods, one run each: a kind (igrpo), or a kind with its settings ({kind: igrpo, "
-        "candidates: 4}); each keeps the recipe's settings its kind shares.",
+        description="Methods, one run each: a kind (igrpo), or a kind with its settings ({kind: igrpo, candidates: "
+        "4}, {kind: selfplay, estimator: grpo}); each keeps the recipe's settings its kind shares. An entry's "
+        "`set` holds overrides for its own runs only ({kind: adalign, set: [rollout.opponent=pool]}). A method is "
+        "named by its estimator, else its kind: the names of the runs and the table's rows.",
     )
     envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
     output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
+    metric: Literal["discounted_return", "outcome"] = Field(
+        "discounted_return",
+        description="The table's held-out score: the expected discounted return J at the method's discount (5.7), "
+        "or the mean normalised outcome.",
+    )
     warm_start: WarmStartConfig | None = Field(
         None, description="Every run starts from its environment's warm start (see WarmStartConfig), built once."
     )
 
     @field_validator("methods")
     @classmethod
-    def _round_methods(cls, methods: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+    def _known_distinct_methods(cls, methods: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        names: set[str] = set()
         for entry in methods:
             kind = entry if isinstance(entry, str) else entry.get("kind")
-            if kind not in round_kinds():
-                raise ValueError(f"unknown round method {kind!r}; allowed: {', '.join(round_kinds())}")
+            if kind not in METHOD_CONFIGS:
+                raise ValueError(f"unknown method {kind!r}; allowed: {', '.join(METHOD_CONFIGS)}")
+            extra = [] if isinstance(entry, str) else entry.get("set", [])
+            if not (isinstance(extra, list) and all(isinstance(item, str) for item in extra)):
+                raise ValueError(f"{kind}: set must be a list of key=value strings (got {extra!r})")
+            name = _method_name(entry)
+            if name in names:
+                raise ValueError(f"two methods named {name!r}: their runs would share a directory")
+            names.add(name)
         return methods
 
     def method_overrides(self, entry: str | dict[str, Any]) -> tuple[str, list[str]]:
-        """A ``methods`` entry's kind and the overrides that select it on top of ``set``."""
+        """A ``methods`` entry's name and the overrides that select it on top of ``set``."""
         if isinstance(entry, str):
             return entry, [f"method.kind={entry}"]
 
@@ -195,8 +210,13 @@ class SuiteConfig(_Section):
                 )
             ]
 
-        settings = leaves({k: v for k, v in entry.items() if k != "kind"}, "method.")
-        return str(entry["kind"]), [f"method.kind={entry['kind']}", *settings]
+        settings = leaves({k: v for k, v in entry.items() if k not in ("kind", "set")}, "method.")
+        return _method_name(entry), [f"method.kind={entry['kind']}", *settings, *entry.get("set", [])]
+
+
+def _method_name(entry: str | dict[str, Any]) -> str:
+    """A suite entry's name: its estimator where it names one (online methods share a kind), else its kind."""
+    return entry if isinstance(entry, str) else str(entry.get("estimator", entry["kind"]))
 
 
 class SuiteFile(_Section):

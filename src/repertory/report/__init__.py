@@ -94,12 +94,13 @@ def write_matrix_figure(
 
 # The results table of batch-online runs (docs/algorithms.md 5.7)
 
-TABLE_METRIC = "discounted_return"
+TABLE_METRICS = {"discounted_return": "held-out expected discounted return", "outcome": "held-out outcome"}
+"""The scores a results table can hold: J at the method's discount (5.7), or the mean normalised outcome."""
 
 
 @dataclass
 class RunScores:
-    """One run's held-out expected discounted return J: of the initial policy (``base``, evaluated before the
+    """One run's held-out score (J, or the outcome): of the initial policy (``base``, evaluated before the
     first update), of the best and of the last trained checkpoint."""
 
     run: Path
@@ -111,17 +112,18 @@ class RunScores:
     last: float
 
 
-def run_scores(run_dir: str | os.PathLike[str]) -> RunScores:
-    """Read a run's config and metrics; J of pi_k is ``eval/discounted_return`` on iteration k's line (the
-    policy before that iteration's update) or ``final/discounted_return`` after the last one."""
+def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return") -> RunScores:
+    """Read a run's config and metrics; the score of pi_k is ``eval/METRIC`` on iteration k's line (the
+    policy before that iteration's update) or ``final/METRIC`` after the last one."""
+    _check_metric(metric)
     run = RunDir.existing(run_dir)
     config = load_config(str(run.config))
     curve: dict[int, float] = {}
     for line in read_metrics(run):
-        if f"eval/{TABLE_METRIC}" in line:
-            curve[int(line["iteration"])] = float(line[f"eval/{TABLE_METRIC}"])
-        if f"final/{TABLE_METRIC}" in line:
-            curve[int(line["iteration"]) + 1] = float(line[f"final/{TABLE_METRIC}"])
+        if f"eval/{metric}" in line:
+            curve[int(line["iteration"])] = float(line[f"eval/{metric}"])
+        if f"final/{metric}" in line:
+            curve[int(line["iteration"]) + 1] = float(line[f"final/{metric}"])
     trained = {k: v for k, v in curve.items() if k >= 1}
     if not trained:
         raise RepertoryError(
@@ -140,6 +142,7 @@ class ResultsTable:
     methods: list[str]
     cells: dict[tuple[str, str], tuple[float, float, int]]
     checkpoint: str
+    metric: str = "discounted_return"
 
     def text(self, method: str, env: str) -> str:
         cell = self.cells.get((method, env))
@@ -151,18 +154,22 @@ class ResultsTable:
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
-        rows = ["method,env,mean,se,seeds,checkpoint"]
+        rows = ["method,env,mean,se,seeds,checkpoint,metric"]
         for (method, env), (mean, se, n) in sorted(self.cells.items()):
-            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint}")
+            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint},{self.metric}")
         return "\n".join(rows) + "\n"
 
 
-def results_table(runs: Sequence[str | os.PathLike[str]], checkpoint: str = "best") -> ResultsTable:
-    """The paper's table from runs (5.7): per method and environment, the held-out J of each seed's best
-    (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial policies."""
+def results_table(
+    runs: Sequence[str | os.PathLike[str]], checkpoint: str = "best", metric: str = "discounted_return"
+) -> ResultsTable:
+    """The paper's table from runs (5.7): per method and environment, the held-out J (or outcome) of each
+    seed's best (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial
+    policies."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
-    scores = [run_scores(r) for r in runs]
+    _check_metric(metric)
+    scores = [run_scores(r, metric) for r in runs]
     seen: dict[tuple[str, str, int], Path] = {}
     for s in scores:
         key = (s.method, s.env, s.seed)
@@ -180,4 +187,9 @@ def results_table(runs: Sequence[str | os.PathLike[str]], checkpoint: str = "bes
     cells = {key: (*seed_summary(values), len(values)) for key, values in per_cell.items()}
     envs = sorted({env for _, env in cells})
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
-    return ResultsTable(envs, methods, cells, checkpoint)
+    return ResultsTable(envs, methods, cells, checkpoint, metric)
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in TABLE_METRICS:
+        raise RepertoryError(f"metric must be one of {', '.join(TABLE_METRICS)} (got {metric!r})")

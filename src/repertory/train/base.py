@@ -92,7 +92,7 @@ class Trainer:
             config.rollout.backend,
         )
         self.opponent = self._agent(config.rollout.opponent)
-        self.eval_opponent = self._agent(config.evaluation_opponent)
+        self.eval_opponent = self._evaluation_agent() if config.eval.episodes else None
         self.kernels = load_kernels(config.rollout.env, "train", config.rollout.env_options)
         self.iteration = 0
         self.discount = self.method.discount  # gamma of the held-out expected discounted return
@@ -114,6 +114,15 @@ class Trainer:
         if spec in ("self", "pool"):
             return None
         return make_agent(spec, self.env, self._options(), self.live_policy)
+
+    def _evaluation_agent(self) -> Agent | None:
+        """The held-out line-up's agent, named as such when it does not resolve: a recipe's line-up may not
+        exist in another game (the default recipe's always-cooperate is an IPD bot)."""
+        spec = self.config.evaluation_opponent
+        try:
+            return self._agent(spec)
+        except RepertoryError as exc:
+            raise RepertoryError(f"the held-out evaluation's line-up (eval.opponent) {spec!r}: {exc}") from None
 
     # rollout
 
