@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 
 import pyarrow as pa
@@ -790,36 +791,40 @@ def test_suite_recipe_validates_every_run():
     assert load_suite("igrpo-craigslist") is None  # an ordinary recipe
 
 
-def test_bad_suites_are_refused_before_any_work(tmp_path):
+@pytest.mark.parametrize(
+    ("suite", "message"),
+    [
+        (
+            "{recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], colour: red}",
+            "suite.colour: unknown key; allowed here: recipe, methods, envs",
+        ),
+        (
+            "{recipe: igrpo-craigslist, methods: [magic], envs: [craigslist]}",
+            "suite.methods: unknown method 'magic'; allowed: selfplay, adalign, ",
+        ),
+        # An estimator is no kind.
+        ("{recipe: default, methods: [{kind: selfplay, estimator: grpo}, grpo], envs: [ipd]}", "unknown method 'grpo'"),
+        (
+            "{recipe: default, methods: [{kind: selfplay, estimator: grpo}, {kind: selfplay, estimator: grpo, "
+            "gamma: 1}], envs: [ipd]}",
+            "two methods named 'grpo': their runs would share a directory",
+        ),
+        (
+            "{recipe: default, methods: [{kind: selfplay, set: rollout.opponent=pool}], envs: [ipd]}",
+            "selfplay: set must be a list of key=value strings",
+        ),
+        ("{recipe: default, methods: [selfplay], envs: [ipd], metric: elo}", "suite.metric"),
+        ("{recipe: igrpo-craigslist, methods: [], envs: [craigslist]}", "suite.methods"),
+        (
+            "{recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], warm_start: {bot: always-defect}}",
+            "warm_start.bot: 'always-defect' is no bot of craigslist; allowed: bot",
+        ),
+    ],
+)
+def test_bad_suites_are_refused_before_any_work(tmp_path, suite, message):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], colour: red}\n")
-    with pytest.raises(RepertoryError, match="suite.colour: unknown key; allowed here: recipe, methods, envs"):
-        load_suite(str(bad))
-    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [magic], envs: [craigslist]}\n")
-    with pytest.raises(RepertoryError, match="suite.methods: unknown method 'magic'; allowed: selfplay, adalign, "):
-        load_suite(str(bad))
-    bad.write_text("suite: {recipe: default, methods: [{kind: selfplay, estimator: grpo}, grpo], envs: [ipd]}\n")
-    with pytest.raises(RepertoryError, match="unknown method 'grpo'"):  # an estimator is no kind
-        load_suite(str(bad))
-    bad.write_text(
-        "suite: {recipe: default, methods: [{kind: selfplay, estimator: grpo}, {kind: selfplay, estimator: grpo, "
-        "gamma: 1}], envs: [ipd]}\n"
-    )
-    with pytest.raises(RepertoryError, match="two methods named 'grpo': their runs would share a directory"):
-        load_suite(str(bad))
-    bad.write_text("suite: {recipe: default, methods: [{kind: selfplay, set: rollout.opponent=pool}], envs: [ipd]}\n")
-    with pytest.raises(RepertoryError, match="selfplay: set must be a list of key=value strings"):
-        load_suite(str(bad))
-    bad.write_text("suite: {recipe: default, methods: [selfplay], envs: [ipd], metric: elo}\n")
-    with pytest.raises(RepertoryError, match="suite.metric"):
-        load_suite(str(bad))
-    bad.write_text("suite: {recipe: igrpo-craigslist, methods: [], envs: [craigslist]}\n")
-    with pytest.raises(RepertoryError, match="suite.methods"):
-        load_suite(str(bad))
-    bad.write_text(
-        "suite: {recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], warm_start: {bot: always-defect}}\n"
-    )
-    with pytest.raises(RepertoryError, match="warm_start.bot: 'always-defect' is no bot of craigslist; allowed: bot"):
+    bad.write_text(f"suite: {suite}\n")
+    with pytest.raises(RepertoryError, match=re.escape(message)):
         load_suite(str(bad))
 
 

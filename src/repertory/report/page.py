@@ -10,6 +10,7 @@ are sampled evenly across iterations so the file stays under :data:`MAX_BYTES`.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -140,12 +141,7 @@ def _headline(run_dir: RunDir, lines: list[dict[str, Any]], warnings: list[str])
             warnings.append(f"{run_dir.config}: the evaluation line-up is unknown ({exc})")
     return {
         "opponent": opponent,
-        "first_iteration": change.first_iteration,
-        "last_iteration": change.last_iteration,
-        "before": change.before,
-        "before_se": change.before_se,
-        "after": change.after,
-        "after_se": change.after_se,
+        **dataclasses.asdict(change),
         "rise": change.rise,
         "standard_errors": change.standard_errors,
     }
