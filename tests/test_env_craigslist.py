@@ -478,3 +478,14 @@ def test_validator_catches_broken_kernels():
     for needle, kernel in cases.items():
         problems = Craigslist.validate_kernel(kernel.data)
         assert problems and any(needle in p for p in problems), (needle, problems)
+
+
+def test_craigslist_constrained_answers_are_the_price_grid_and_the_bare_actions():
+    game = started()  # list price 200
+    grid = [f'<propose>{{"price": {p}}}</propose>' for p in range(100, 201, 10)]
+    assert game.action_choices("vendor") == [*grid, "<walkaway/>"]  # nothing on the table yet
+    game.step({"vendor": grid[-1]})
+    # The customer may now answer the vendor's standing proposal.
+    assert game.action_choices("customer") == [*grid, "<accept/>", "<reject/>", "<walkaway/>"]
+    game.step({"customer": grid[4]})
+    assert game.action_choices("vendor") == [*grid, "<accept/>", "<reject/>", "<walkaway/>"]

@@ -127,7 +127,9 @@ def _agent(backend, constrained, max_new_tokens=24):
     return LMAgent(backend, "model", SamplingParams(max_new_tokens=max_new_tokens), constrained=constrained, seed=3)
 
 
-@pytest.mark.parametrize("env", ["ipd", "split-no-comm", "trust-and-split"])
+@pytest.mark.parametrize(
+    "env", ["ipd", "split-no-comm", "trust-and-split", "craigslist", "ultimatum", "deal-or-no-deal", "casino"]
+)
 def test_constrained_actions_always_parse(backend, env):
     agent = _agent(backend, constrained=True, max_new_tokens=40)
     episodes = run_episodes(schedule(env, [agent, agent], episodes=2, seed=0))

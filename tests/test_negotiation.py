@@ -12,6 +12,9 @@ checked by ``check_env`` in test_env_checks.py.
 from __future__ import annotations
 
 import itertools
+import math
+import random
+import statistics
 from fractions import Fraction
 
 import pytest
@@ -313,3 +316,48 @@ def test_the_guard_never_raises_and_never_lets_a_limit_break_through(parts):
         assert final.tag == "message"
     deal = game._deal_of("customer", final)
     assert deal is None or not game.below_limit("customer", deal)
+
+
+# constrained answers: the proposal grid
+
+
+def test_ultimatum_grid_keeps_tenths_of_the_pool_and_has_no_walkaway():
+    game = fresh("ultimatum")
+    pool = game.kernel.data["pool"]
+    assert game.action_choices("proposer") == [f'<propose>{{"keep": {pool * k // 10}}}</propose>' for k in range(11)]
+    game.step({"proposer": f'<propose>{{"keep": {pool}}}</propose>'})
+    assert game.action_choices("responder")[-2:] == ["<accept/>", "<reject/>"]
+
+
+@pytest.mark.parametrize(("env", "size"), [("deal-or-no-deal", None), ("casino", 64)])
+def test_item_games_offer_every_split(env, size):
+    game = fresh(env)
+    counts = game.kernel.data.get("counts", [3, 3, 3])
+    expected = size or math.prod(c + 1 for c in counts)
+    proposals = [c for c in game.action_choices(game.roles[0]) if c.startswith("<propose>")]
+    assert len(proposals) == len(set(proposals)) == expected
+
+
+@pytest.mark.parametrize("env", ["job-interview", "alliance"])
+def test_games_without_a_grid_stay_free_text_when_constrained(env):
+    game = fresh(env)
+    assert game.action_choices(game.roles[0]) is None
+
+
+@pytest.mark.parametrize("env", ["craigslist", "ultimatum", "deal-or-no-deal", "casino"])
+def test_random_grid_play_against_the_bot_is_valid_and_graded(env):
+    """Every listed answer is valid when it is listed, and a policy that picks among them at random closes
+    deals at many different outcomes: a constrained small model starts mid-range, not at a floor."""
+    cls = env_class(env)
+    rng = random.Random(0)
+    outcomes = []
+    trained = cls.default_trained_role
+
+    def policy(game, role):
+        return rng.choice(game.action_choices(role)) if role == trained else game.bots["bot"](game.view(role))
+
+    for kernel in load_kernels(env, "train")[:30]:
+        played = check_episode(cls, kernel, 7, policy, max_steps=cls.max_messages)
+        assert played.result.roles[trained].n_invalid == 0
+        outcomes.append(played.result.roles[trained].outcome)
+    assert len(set(outcomes)) >= 4 and 0.1 < statistics.mean(outcomes) < 0.9

@@ -138,6 +138,10 @@ class Casino(Negotiation):
         """Points per package to ``role``, in ITEMS order."""
         return item_values(self.priorities(role))
 
+    def proposal_grid(self, role: str) -> list[Offer]:
+        """Every split of the packages (64)."""
+        return [dict(zip(ITEMS, share)) for share in itertools.product(range(PACKAGES + 1), repeat=len(ITEMS))]
+
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ITEMS, required=False)
         offer = {}

@@ -292,6 +292,12 @@ class Craigslist(Negotiation):
         sign = "-" if amount < 0 else ""
         return f"{sign}${abs(amount)}" + (" per month" if self.housing else "")
 
+    def proposal_grid(self, role: str) -> list[Offer]:
+        """Prices from half the list price to the list price in steps of 5% (our choice: it spans every
+        target, 50-90%, and every limit, 75-95%, so each side can reach its best deal on the grid's steps)."""
+        prices = sorted({rnd(Fraction(self.list_price * pct, 100)) for pct in range(50, 105, 5)})
+        return [{"price": price} for price in prices]
+
     def parse_offer(self, role: str, payload: str) -> Offer:
         value = parse_fields(payload, ("price",), required=True)["price"]
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -108,6 +108,10 @@ class DealOrNoDeal(Negotiation):
         assert self.kernel is not None
         return self.kernel.data["values"][role]
 
+    def proposal_grid(self, role: str) -> list[Offer]:
+        """Every split of the items (at most 5 x 5 x 5)."""
+        return [dict(zip(ITEMS, share)) for share in itertools.product(*(range(c + 1) for c in self.counts))]
+
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ITEMS, required=False)
         offer = {}

@@ -98,6 +98,12 @@ class Negotiation(Env):
         """Why accepting ``deal`` forms no agreement (Alliance's thresholds); None when it does."""
         return None
 
+    def proposal_grid(self, role: str) -> list[Offer] | None:
+        """The proposals ``role`` chooses among when its answers are constrained: a finite grid of the game's
+        offers (every offer where that set is small). None where the game has no such grid; its constrained
+        answers stay free text."""
+        return None
+
     def extra_metrics(self) -> dict[str, float]:
         """Game-specific episode metrics."""
         return {}
@@ -131,6 +137,20 @@ class Negotiation(Env):
     def is_last_turn(self, role: str) -> bool:
         """Whether ``role``'s current message is its last one before the limit."""
         return self.messages_left <= 2 and self.speaker() == role
+
+    def action_choices(self, role: str) -> list[str] | None:
+        """With a proposal grid, a constrained answer is a bare action: one of the grid's proposals, accept or
+        reject of the partner's standing proposal, or a walk-away where the game has one. A small model that
+        cannot write the tags from the rules still plays a graded game (the price it names, when it accepts)."""
+        grid = self.proposal_grid(role)
+        if grid is None:
+            return None
+        choices = [tag_text("propose", offer) for offer in grid]
+        answerable = self.standing is not None and self.standing.by != role
+        for tag in ("accept", "reject", "walkaway"):
+            if tag in self.empty_tags and (answerable or tag == "walkaway"):
+                choices.append(tag_text(tag))
+        return choices
 
     def status_line(self, role: str) -> str:
         """The line that precedes each of ``role``'s turns: the table, and messages left."""

@@ -115,6 +115,10 @@ class Ultimatum(Negotiation):
         assert self.kernel is not None
         return self.kernel.data["minimum"]
 
+    def proposal_grid(self, role: str) -> list[Offer]:
+        """Keeping 0%, 10%, ..., 100% of the pool (our choice: every pool is a multiple of 10)."""
+        return [{"keep": self.pool * tenths // 10} for tenths in range(11)]
+
     def parse_offer(self, role: str, payload: str) -> Offer:
         keep = as_integer(parse_fields(payload, ("keep",), required=True)["keep"], "keep")
         if not 0 <= keep <= self.pool:
