@@ -151,7 +151,7 @@ def test_a_budget_too_small_for_one_row_is_a_one_line_error(tokenizer):
     backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0.01)
     with pytest.raises(
         RepertoryError,
-        match=r"kv_memory_mb: 20 tokens .* one row needs 44 \(36 of prompt and max_new_tokens 8\); raise kv_memory_mb",
+        match=r"kv_memory_mb: 20 tokens .* one row needs 44 \(36 of prompt and 8 to generate\); raise kv_memory_mb",
     ) as e:
         backend.generate([tokenizer.encode("x " * 35)], SamplingParams(max_new_tokens=8), seeds=[0])
     assert "\n" not in str(e.value)
@@ -171,3 +171,21 @@ def test_kept_prefixes_share_the_budget_with_rows_in_flight(tokenizer):
     stream.add(tokenizer.encode("a long new prompt " * 40), 0)
     stream.step()  # a row in flight claims its room: the kept prefixes shrink to what is left
     assert backend._prefix_tokens + stream._need(stream.rows) <= backend.budget_tokens
+
+
+def test_constrained_rows_reserve_their_longest_answer_so_the_chats_stay_cached(tokenizer):
+    """A row that can only write one of two 6-token moves reserves 6 tokens, not max_new_tokens: the four chats
+    run in one batch and their prefixes are kept for the next turn (with 400 reserved each, one row fit at a
+    time and the kept prefixes were evicted)."""
+    backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0.25)  # 512 tokens at 512 bytes
+    params = SamplingParams(max_new_tokens=400)
+    moves = ["<choose>A</choose>", "<choose>B</choose>"]
+    trie = backend.constraint(moves)
+    assert trie.depth == max(len(tokenizer.encode(m, add_special_tokens=False)) for m in moves) + 1  # and the end
+    prompts = [tokenizer.encode(f"seat {i} speaks. " * 8) for i in range(4)]
+    keys = [("chat", i) for i in range(4)]
+    first = backend.generate(prompts, params, seeds=list(range(4)), constraints=[trie] * 4, cache_keys=keys)
+    assert max(p.rows for p in backend.stats.passes) == 4
+    following = [p + g.response_ids + tokenizer.encode(" next turn") for p, g in zip(prompts, first)]
+    backend.generate(following, params, seeds=list(range(4)), constraints=[trie] * 4, cache_keys=keys)
+    assert backend.stats.reused_prompt_tokens == sum(len(p) + len(g.response_ids) - 1 for p, g in zip(prompts, first))

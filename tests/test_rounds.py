@@ -846,6 +846,12 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
         "adalign-ipd-s0": "pool",
     }
     assert runs["adalign-ipd-s2"].method.pool.snapshot_every == 2
+    grid = load_suite("igrpo-grid-suite")
+    rounds = {name: load_config(grid.recipe, overrides) for name, overrides in suite_runs(grid)}
+    assert len(rounds) == 12 and grid.metric == "outcome" and grid.warm_start is None
+    # Every method answers from Craigslist's price grid: the constrained vendor starts mid-range.
+    assert {(r.rollout.env, r.rollout.constrained, r.iterations) for r in rounds.values()} == {("craigslist", True, 3)}
+    assert {r.method.kind for r in rounds.values()} == {"igrpo", "st-grpo", "mt-kto", "mt-sft"}
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):

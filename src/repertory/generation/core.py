@@ -60,13 +60,16 @@ class TokenTrie:
     """The token sequences of a finite set of complete responses, as a prefix tree."""
 
     children: dict[int, TokenTrie] = field(default_factory=dict)
+    depth: int = 0
+    """Tokens of the longest response below this node: the most a row constrained from here can generate."""
 
     @classmethod
     def build(cls, sequences: Sequence[Sequence[int]]) -> TokenTrie:
         root = cls()
         for seq in sequences:
             node = root
-            for token in seq:
+            for k, token in enumerate(seq):
+                node.depth = max(node.depth, len(seq) - k)
                 node = node.children.setdefault(token, cls())
         return root
 

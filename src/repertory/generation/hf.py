@@ -78,6 +78,8 @@ class _Row:
     node: TokenTrie | None
     key: object
     enough: Callable[[str], bool] | None
+    budget: int
+    """The most tokens it can generate: max_new_tokens, or less under a constraint whose answers are shorter."""
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str = "length"
@@ -412,16 +414,17 @@ class DecodeStream:
         enough: Callable[[str], bool] | None = None,
     ) -> int:
         """Queue a row (see ``HFBackend.generate`` for the arguments); its ticket names it in ``step``'s results."""
-        need = len(prompt) + self.params.max_new_tokens
+        budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
+        need = len(prompt) + budget
         if need > self.backend.budget_tokens:
             raise RepertoryError(
                 f"rollout.engine_args.kv_memory_mb: {self.backend.budget_tokens} tokens of keys and values fit "
                 f"({self.backend.token_bytes} bytes a token), but one row needs {need} ({len(prompt)} of prompt and "
-                f"max_new_tokens {self.params.max_new_tokens}); raise kv_memory_mb or lower max_new_tokens"
+                f"{budget} to generate); raise kv_memory_mb or lower max_new_tokens"
             )
         self._tickets += 1
         rng = torch.Generator().manual_seed(seed % 2**63)
-        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough))
+        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough, budget))
         return self._tickets
 
     @torch.no_grad()
@@ -440,8 +443,13 @@ class DecodeStream:
         return finished
 
     def _need(self, rows: Sequence[_Row]) -> int:
-        """Tokens a padded batch of ``rows`` may fill: each as long as the longest prompt plus the token budget."""
-        return len(rows) * max((len(r.prompt) for r in rows), default=0) + len(rows) * self.params.max_new_tokens
+        """Tokens a padded batch of ``rows`` may fill: each as long as the longest prompt plus the largest budget.
+        A constrained row's budget is its longest answer, not max_new_tokens: reserving 400 tokens for a
+        5-token move evicted the kept prefixes of a 32-chat evaluation, which then prefilled every chat again
+        each turn (6x slower than the 16-chat rollout on the same budget)."""
+        if not rows:
+            return 0
+        return len(rows) * (max(len(r.prompt) for r in rows) + max(r.budget for r in rows))
 
     def _admit(self) -> None:
         """Rebuild the batch when enough rows leave or can join: finished rows out, the queued rows that fit in."""
