@@ -32,4 +32,4 @@ $(CHROMIUM):
 test: $(STAMP) $(ENGINES) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
