@@ -74,10 +74,14 @@ def bot(view: dict[str, Any]) -> str:
     )
 
 
+SPLITS = list(itertools.product(range(PACKAGES + 1), repeat=len(ITEMS)))
+"""Every division of the packages: the proposer's own count of each item, in ITEMS order (64)."""
+
+
 @cache
 def _options(values: tuple[int, ...]) -> list[BotOption]:
     out: list[BotOption] = []
-    for share in itertools.product(range(PACKAGES + 1), repeat=len(ITEMS)):
+    for share in SPLITS:
         out.append((dict(zip(ITEMS, share)), sum(v * x for v, x in zip(values, share)), sum(share), share))
     return out
 
@@ -139,8 +143,8 @@ class Casino(Negotiation):
         return item_values(self.priorities(role))
 
     def proposal_grid(self, role: str) -> list[Offer]:
-        """Every split of the packages (64)."""
-        return [dict(zip(ITEMS, share)) for share in itertools.product(range(PACKAGES + 1), repeat=len(ITEMS))]
+        """Every split of the packages."""
+        return [dict(zip(ITEMS, share)) for share in SPLITS]
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ITEMS, required=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from fractions import Fraction
 from functools import cache
 from typing import Any, ClassVar
@@ -46,10 +47,15 @@ def bot(view: dict[str, Any]) -> str:
     )
 
 
+def splits(counts: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every division of the items: the proposer's own count of each, in ITEMS order."""
+    return list(itertools.product(*(range(c + 1) for c in counts)))
+
+
 @cache
 def _options(counts: tuple[int, ...], values: tuple[int, ...]) -> list[BotOption]:
     out: list[BotOption] = []
-    for share in itertools.product(*(range(c + 1) for c in counts)):
+    for share in splits(counts):
         offer = dict(zip(ITEMS, share))
         out.append((offer, sum(v * x for v, x in zip(values, share)), sum(share), share))
     return out
@@ -110,7 +116,7 @@ class DealOrNoDeal(Negotiation):
 
     def proposal_grid(self, role: str) -> list[Offer]:
         """Every split of the items (at most 5 x 5 x 5)."""
-        return [dict(zip(ITEMS, share)) for share in itertools.product(*(range(c + 1) for c in self.counts))]
+        return [dict(zip(ITEMS, share)) for share in splits(self.counts)]
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ITEMS, required=False)

@@ -145,12 +145,9 @@ class Negotiation(Env):
         grid = self.proposal_grid(role)
         if grid is None:
             return None
-        choices = [tag_text("propose", offer) for offer in grid]
-        answerable = self.standing is not None and self.standing.by != role
-        for tag in ("accept", "reject", "walkaway"):
-            if tag in self.empty_tags and (answerable or tag == "walkaway"):
-                choices.append(tag_text(tag))
-        return choices
+        answers = ("accept", "reject") if self.standing is not None and self.standing.by != role else ()
+        moves = [tag for tag in (*answers, "walkaway") if tag in self.empty_tags]
+        return [tag_text("propose", offer) for offer in grid] + [tag_text(tag) for tag in moves]
 
     def status_line(self, role: str) -> str:
         """The line that precedes each of ``role``'s turns: the table, and messages left."""

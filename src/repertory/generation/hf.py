@@ -444,9 +444,8 @@ class DecodeStream:
 
     def _need(self, rows: Sequence[_Row]) -> int:
         """Tokens a padded batch of ``rows`` may fill: each as long as the longest prompt plus the largest budget.
-        A constrained row's budget is its longest answer, not max_new_tokens: reserving 400 tokens for a
-        5-token move evicted the kept prefixes of a 32-chat evaluation, which then prefilled every chat again
-        each turn (6x slower than the 16-chat rollout on the same budget)."""
+        A constrained row's budget is its longest answer, not max_new_tokens: reserving 400 tokens for a 6-token
+        move would evict the kept prefixes of a large batch, and every chat would be prefilled again each turn."""
         if not rows:
             return 0
         return len(rows) * (max(len(r.prompt) for r in rows) + max(r.budget for r in rows))
