@@ -277,7 +277,7 @@ def test_rank_correlation_with_ties():
 
 
 def _q(tokenizer, seed=0, **overrides) -> QFunction:
-    config = QConfig(**{"lr": 1e-2, "head_lr": 1e-1, "batch_size": 8, "max_epochs": 6, **overrides})
+    config = QConfig(**{"lr": 1e-2, "head_lr": 1e-2, "batch_size": 8, "max_epochs": 6, **overrides})
     return QFunction(tiny_model(tokenizer, seed=seed).model, config, seed=0, pad_id=tokenizer.pad_token_id)
 
 
@@ -288,17 +288,17 @@ def _examples(n: int, offset: int = 0) -> list[QExample]:
 
 def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
     q = _q(tokenizer)
-    config = QConfig(lr=1e-2, head_lr=1e-1, batch_size=8, max_epochs=6, patience=6)
+    config = QConfig(lr=1e-2, head_lr=1e-2, batch_size=8, max_epochs=6, patience=6)
     train, val = _examples(32), _examples(8, offset=3)
     q.bce = True
     metrics = fit_q(q, train, val, config, seed=0, round_index=0, warm=False, micro_tokens=2048)
     assert metrics["q/val_examples"] == 8 and metrics["q/train_examples"] == 32
     assert metrics["q/val_pearson"] > 0.8 and metrics["q/val_spearman"] > 0.8
-    assert metrics["q/val_mse"] < 0.08  # a constant 0.5 would score 0.16
+    assert metrics["q/val_mse"] < 0.01  # a constant 0.5 would score 0.16
     scores = q.score([e.sequence for e in val], 2048)
     assert all((s > 0.5) == (e.target > 0.5) for s, e in zip(scores, val))
     cold = _q(tokenizer)
-    fit_q(cold, train, val, QConfig(max_epochs=1, lr=1e-12, head_lr=1e-12), 0, 0, warm=False, micro_tokens=2048)
+    fit_q(cold, train, val, QConfig(max_epochs=1, lr=1e-12, head_lr=1e-22), 0, 0, warm=False, micro_tokens=2048)
     # w = 0 and b = logit(mean target): every score is the mean target (5.4 warm start of round 0)
     assert cold.score([e.sequence for e in val], 2048) == pytest.approx([0.5] * 8, abs=1e-6)
 
@@ -306,7 +306,7 @@ def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
 def test_q_keeps_the_best_epoch_and_stops_early(tokenizer):
     q = _q(tokenizer)
     train, val = _examples(16), [QExample(e.sequence, 1 - e.target) for e in _examples(8, offset=3)]  # opposite
-    metrics = fit_q(q, train, val, QConfig(lr=1e-2, head_lr=1e-1, max_epochs=6, patience=1), 0, 0, False, 2048)
+    metrics = fit_q(q, train, val, QConfig(lr=1e-2, head_lr=1e-2, max_epochs=6, patience=1), 0, 0, False, 2048)
     # learning the training rule makes the (opposite) validation loss worse: epoch 0 is kept, training stops at 1
     assert metrics["q/best_epoch"] == 0 and metrics["q/epochs"] == 1
     assert q.score([val[0].sequence], 2048)[0] == pytest.approx(0.5, abs=1e-6)
@@ -315,23 +315,53 @@ def test_q_keeps_the_best_epoch_and_stops_early(tokenizer):
 def test_q_uses_mse_outside_the_unit_interval(tokenizer):
     q = _q(tokenizer)
     examples = [QExample([1, 2, 3], 2.0), QExample([1, 2, 4], 4.0)]
-    fit_q(q, examples, [], QConfig(max_epochs=1, lr=1e-12, head_lr=1e-12), 0, 0, False, 2048)
+    fit_q(q, examples, [], QConfig(max_epochs=1, lr=1e-12, head_lr=1e-22), 0, 0, False, 2048)
     assert not q.bce
     assert q.score([[1, 2, 3]], 2048)[0] == pytest.approx(3.0, abs=1e-5)  # raw output starts at the mean
 
 
 def test_q_state_round_trip(tokenizer):
     q = _q(tokenizer)
-    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-1), 0, 0, False, 2048)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
     other = _q(tokenizer)
     other.load(q.state())
     sequences = [e.sequence for e in _examples(4)]
     assert other.score(sequences, 2048) == pytest.approx(q.score(sequences, 2048), abs=1e-6)
 
 
+def test_q_fit_ignores_a_direction_every_feature_shares(tokenizer):
+    # A language model's final hidden states share one large direction (SmolLM2: norm 50, cosine 0.97 with their
+    # mean). On raw features Adam's first head steps move every z together and overshoot; on features
+    # standardised by the Q-train split's statistics the offset cancels and the fit is the same.
+    train, val = _examples(32), _examples(8, offset=3)
+    config = QConfig(lr=1e-2, head_lr=1e-2, batch_size=8, max_epochs=3, patience=3)
+    plain, offset = _q(tokenizer), _q(tokenizer)
+    at = offset.features.at
+    shared = 50.0 * torch.randn(offset.features.size, generator=torch.Generator().manual_seed(0))
+    offset.features.at = lambda sequences, positions: at(sequences, positions) + shared
+    fits = [fit_q(q, train, val, config, 0, 0, False, 2048) for q in (plain, offset)]
+    assert fits[0]["q/val_spearman"] > 0.8
+    assert fits[1]["q/val_mse"] == pytest.approx(fits[0]["q/val_mse"], abs=1e-4)
+    sequences = [e.sequence for e in val]
+    assert offset.score(sequences, 2048) == pytest.approx(plain.score(sequences, 2048), abs=1e-3)
+    assert offset.shift.norm() > 0.9 * shared.norm()  # the offset is in the shift, not in the head
+
+
+def test_q_state_from_before_standardisation_reads_raw_features(tokenizer):
+    q = _q(tokenizer)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
+    old = {k: v for k, v in q.state().items() if k not in ("shift", "scale")}
+    other = _q(tokenizer)
+    other.standardise([e.sequence for e in _examples(4)], 2048)
+    other.load(old)
+    assert torch.equal(other.shift, torch.zeros_like(other.shift)) and torch.equal(
+        other.scale, torch.ones_like(q.scale)
+    )
+
+
 def test_q_scores_candidates_of_a_shared_prompt_as_separate_sequences(tokenizer):
     q = _q(tokenizer)
-    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-1), 0, 0, False, 2048)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
     groups = [[[500, 2], [600], [11, 12, 13]], [[14], [500, 2]]]
     separate = q.score([p + r for p, group in zip(prompts, groups) for r in group], 2048)

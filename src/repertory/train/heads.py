@@ -84,7 +84,13 @@ class LastTokenFeatures(nn.Module):
 
 class QFunction(nn.Module):
     """Q(s, a): a scalar head on the last-token features of [history; response], the backbone with its own LoRA
-    adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1] (``bce``), else raw values."""
+    adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1] (``bce``), else raw values.
+
+    The head reads the features standardised per dimension (``shift``, ``scale``: the Q-train features' mean and
+    standard deviation at the first fit). Still linear in h, but a language model's final hidden states share one
+    dominant direction (SmolLM2: norm about 50, cosine 0.97 with their mean), so on raw features Adam's first
+    steps move every z together and overshoot; docs/results.md 22 measured the training loss rising after the
+    first epoch and early stopping keeping the constant head."""
 
     def __init__(self, backbone: nn.Module, config: QConfig, seed: int, pad_id: int):
         super().__init__()
@@ -93,6 +99,8 @@ class QFunction(nn.Module):
         self.head = nn.Linear(self.features.size, 1).to(self.features.device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        self.register_buffer("shift", torch.zeros(self.features.size, device=self.features.device))
+        self.register_buffer("scale", torch.ones(self.features.size, device=self.features.device))
         self.bce = True
 
     def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -101,7 +109,21 @@ class QFunction(nn.Module):
 
     def logits(self, sequences: list[list[int]]) -> torch.Tensor:
         """z per sequence."""
-        return self.head(self.features(sequences)).squeeze(-1)
+        return self.z(self.features(sequences))
+
+    def z(self, features: torch.Tensor) -> torch.Tensor:
+        """The head on standardised features."""
+        return self.head((features - self.shift) / self.scale).squeeze(-1)
+
+    @torch.no_grad()
+    def standardise(self, sequences: list[list[int]], micro_tokens: int) -> None:
+        """Set ``shift`` and ``scale`` to the per-dimension mean and standard deviation of these sequences'
+        features (a dimension that barely varies is floored at 1% of the mean deviation, not blown up)."""
+        batches = token_batches([len(s) for s in sequences], micro_tokens)
+        features = torch.cat([self.features([sequences[i] for i in micro]) for micro in batches])
+        std = features.std(dim=0, unbiased=False)
+        self.shift.copy_(features.mean(dim=0))
+        self.scale.copy_(std.clamp_min(max(0.01 * float(std.mean()), 1e-6)))
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], micro_tokens: int) -> list[float]:
@@ -124,7 +146,7 @@ class QFunction(nn.Module):
         ]
         out: list[float] = []
         for micro in token_batches([len(t.input_ids) for t in trees], micro_tokens):
-            z = self.head(self.features.at([trees[i] for i in micro], [ends[i] for i in micro])).squeeze(-1)
+            z = self.z(self.features.at([trees[i] for i in micro], [ends[i] for i in micro]))
             out += offline.q_values(z, self.bce).tolist()
         return out
 
@@ -132,7 +154,7 @@ class QFunction(nn.Module):
         """Adapter and head weights, and the output mode."""
         tensors = {f"adapter.{k}": v for k, v in get_peft_model_state_dict(self.peft).items()}
         tensors.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
-        tensors["bce"] = torch.tensor(float(self.bce))
+        tensors.update(shift=self.shift, scale=self.scale, bce=torch.tensor(float(self.bce)))
         return {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -140,6 +162,9 @@ class QFunction(nn.Module):
         adapter = {k.removeprefix("adapter."): v for k, v in tensors.items() if k.startswith("adapter.")}
         set_peft_model_state_dict(self.peft, adapter)
         self.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items() if k.startswith("head.")})
+        # Checkpoints from before standardisation hold heads trained on raw features: identity for them.
+        self.shift.copy_(tensors.get("shift", torch.zeros_like(self.shift)))
+        self.scale.copy_(tensors.get("scale", torch.ones_like(self.scale)))
         self.bce = bool(tensors["bce"].item())
 
 
@@ -166,11 +191,13 @@ def fit_q(
 ) -> dict[str, float]:
     """Fit Q to Monte-Carlo returns (5.4): BCE on sigmoid outputs when every target is in [0, 1], else MSE;
     keep the epoch (0 = the starting point) with the lowest Q-val loss, stop after ``patience`` epochs
-    without one. Without a warm start the head begins at w = 0, b = the mean target (as a logit for BCE)."""
+    without one. Without a warm start the head begins at w = 0, b = the mean target (as a logit for BCE), on
+    features standardised by the Q-train split's."""
     if not train:
         raise RepertoryError("the Q-function has no training turns (every logged kernel fell into Q-val)")
     q.bce = offline.q_uses_bce([e.target for e in train + val])
     if not warm:
+        q.standardise([e.sequence for e in train], micro_tokens)
         with torch.no_grad():
             q.head.weight.zero_()
             q.head.bias.fill_(offline.q_head_init_bias(sum(e.target for e in train) / len(train), q.bce))
