@@ -882,6 +882,15 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     # Every method answers from Craigslist's price grid: the constrained vendor starts mid-range.
     assert {(r.rollout.env, r.rollout.constrained, r.iterations) for r in rounds.values()} == {("craigslist", True, 3)}
     assert {r.method.kind for r in rounds.values()} == {"igrpo", "st-grpo", "mt-kto", "mt-sft"}
+    omar = load_suite("omar-grid-suite")
+    selfplay = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
+    assert len(selfplay) == 6 and omar.metric == "outcome"
+    # One model in both seats of Craigslist on the grid, measured as the vendor against the scripted customer.
+    assert {(r.rollout.env, r.rollout.opponent, r.rollout.constrained) for r in selfplay.values()} == {
+        ("craigslist", "self", True)
+    }
+    assert {r.evaluation_opponent for r in selfplay.values()} == {"bot"}
+    assert {(r.method.estimator, r.method.gamma) for r in selfplay.values()} == {("omar", 0.95), ("grpo", 1.0)}
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
