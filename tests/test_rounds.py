@@ -283,7 +283,14 @@ def _q(tokenizer, seed=0, **overrides) -> QFunction:
 
 def _examples(n: int, offset: int = 0) -> list[QExample]:
     """Responses ending in token 500 are worth 0.9, in token 600 0.1; the history varies."""
-    return [QExample([1, 2 + (k + offset) % 7, 3, 500 if k % 2 else 600, 2], 0.9 if k % 2 else 0.1) for k in range(n)]
+    return [
+        QExample([1, 2 + (k + offset) % 7, 3, 500 if k % 2 else 600, 2], 0.9 if k % 2 else 0.1, start=3)
+        for k in range(n)
+    ]
+
+
+def _scores(q: QFunction, examples: list[QExample]) -> list[float]:
+    return q.score([e.sequence for e in examples], [e.start for e in examples], 2048)
 
 
 def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
@@ -295,29 +302,47 @@ def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
     assert metrics["q/val_examples"] == 8 and metrics["q/train_examples"] == 32
     assert metrics["q/val_pearson"] > 0.8 and metrics["q/val_spearman"] > 0.8
     assert metrics["q/val_mse"] < 0.01  # a constant 0.5 would score 0.16
-    scores = q.score([e.sequence for e in val], 2048)
+    scores = _scores(q, val)
     assert all((s > 0.5) == (e.target > 0.5) for s, e in zip(scores, val))
     cold = _q(tokenizer)
     fit_q(cold, train, val, QConfig(max_epochs=1, lr=1e-12, head_lr=1e-22), 0, 0, warm=False, micro_tokens=2048)
     # w = 0 and b = logit(mean target): every score is the mean target (5.4 warm start of round 0)
-    assert cold.score([e.sequence for e in val], 2048) == pytest.approx([0.5] * 8, abs=1e-6)
+    assert _scores(cold, val) == pytest.approx([0.5] * 8, abs=1e-6)
+
+
+def test_q_reads_the_mean_over_the_response_tokens(tokenizer):
+    # The return is decided by the response's first token (500 or 600); with response_mean the head reads it
+    # directly, and the feature is the average of the response positions' hidden states, not the last one's.
+    q = _q(tokenizer, features="response_mean")
+    config = QConfig(lr=1e-2, head_lr=1e-2, batch_size=8, max_epochs=6, patience=6)
+    metrics = fit_q(q, _examples(32), _examples(8, offset=3), config, 0, 0, False, 2048)
+    assert metrics["q/val_spearman"] > 0.8 and metrics["q/val_mse"] < 0.01
+    example = _examples(1)[0]
+    with torch.no_grad():
+        hidden = q.features([example.sequence[:4], example.sequence])  # last tokens: positions 3 and 4
+        pooled, empty = (q.chains([example.sequence], [start])[0].tolist() for start in (3, 5))
+    assert pooled == pytest.approx(((hidden[0] + hidden[1]) / 2).tolist(), abs=1e-5)
+    assert empty == pytest.approx(hidden[1].tolist(), abs=1e-5)  # no response: the last token
 
 
 def test_q_keeps_the_best_epoch_and_stops_early(tokenizer):
     q = _q(tokenizer)
-    train, val = _examples(16), [QExample(e.sequence, 1 - e.target) for e in _examples(8, offset=3)]  # opposite
+    train, val = (
+        _examples(16),
+        [QExample(e.sequence, 1 - e.target, e.start) for e in _examples(8, offset=3)],
+    )  # opposite
     metrics = fit_q(q, train, val, QConfig(lr=1e-2, head_lr=1e-2, max_epochs=6, patience=1), 0, 0, False, 2048)
     # learning the training rule makes the (opposite) validation loss worse: epoch 0 is kept, training stops at 1
     assert metrics["q/best_epoch"] == 0 and metrics["q/epochs"] == 1
-    assert q.score([val[0].sequence], 2048)[0] == pytest.approx(0.5, abs=1e-6)
+    assert _scores(q, val[:1])[0] == pytest.approx(0.5, abs=1e-6)
 
 
 def test_q_uses_mse_outside_the_unit_interval(tokenizer):
     q = _q(tokenizer)
-    examples = [QExample([1, 2, 3], 2.0), QExample([1, 2, 4], 4.0)]
+    examples = [QExample([1, 2, 3], 2.0, 2), QExample([1, 2, 4], 4.0, 2)]
     fit_q(q, examples, [], QConfig(max_epochs=1, lr=1e-12, head_lr=1e-22), 0, 0, False, 2048)
     assert not q.bce
-    assert q.score([[1, 2, 3]], 2048)[0] == pytest.approx(3.0, abs=1e-5)  # raw output starts at the mean
+    assert _scores(q, examples[:1])[0] == pytest.approx(3.0, abs=1e-5)  # raw output starts at the mean
 
 
 def test_q_state_round_trip(tokenizer):
@@ -325,8 +350,7 @@ def test_q_state_round_trip(tokenizer):
     fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
     other = _q(tokenizer)
     other.load(q.state())
-    sequences = [e.sequence for e in _examples(4)]
-    assert other.score(sequences, 2048) == pytest.approx(q.score(sequences, 2048), abs=1e-6)
+    assert _scores(other, _examples(4)) == pytest.approx(_scores(q, _examples(4)), abs=1e-6)
 
 
 def test_q_fit_ignores_a_direction_every_feature_shares(tokenizer):
@@ -342,8 +366,7 @@ def test_q_fit_ignores_a_direction_every_feature_shares(tokenizer):
     fits = [fit_q(q, train, val, config, 0, 0, False, 2048) for q in (plain, offset)]
     assert fits[0]["q/val_spearman"] > 0.8
     assert fits[1]["q/val_mse"] == pytest.approx(fits[0]["q/val_mse"], abs=1e-4)
-    sequences = [e.sequence for e in val]
-    assert offset.score(sequences, 2048) == pytest.approx(plain.score(sequences, 2048), abs=1e-3)
+    assert _scores(offset, val) == pytest.approx(_scores(plain, val), abs=1e-3)
     assert offset.shift.norm() > 0.9 * shared.norm()  # the offset is in the shift, not in the head
 
 
@@ -352,19 +375,24 @@ def test_q_state_from_before_standardisation_reads_raw_features(tokenizer):
     fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
     old = {k: v for k, v in q.state().items() if k not in ("shift", "scale")}
     other = _q(tokenizer)
-    other.standardise([e.sequence for e in _examples(4)], 2048)
+    other.standardise([e.sequence for e in _examples(4)], [3] * 4, 2048)
     other.load(old)
     assert torch.equal(other.shift, torch.zeros_like(other.shift)) and torch.equal(
         other.scale, torch.ones_like(q.scale)
     )
 
 
-def test_q_scores_candidates_of_a_shared_prompt_as_separate_sequences(tokenizer):
-    q = _q(tokenizer)
+@pytest.mark.parametrize("features", ["last_token", "response_mean"])
+def test_q_scores_candidates_of_a_shared_prompt_as_separate_sequences(tokenizer, features):
+    q = _q(tokenizer, features=features)
     fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
     groups = [[[500, 2], [600], [11, 12, 13]], [[14], [500, 2]]]
-    separate = q.score([p + r for p, group in zip(prompts, groups) for r in group], 2048)
+    separate = q.score(
+        [p + r for p, group in zip(prompts, groups) for r in group],
+        [len(p) for p, group in zip(prompts, groups) for _ in group],
+        2048,
+    )
     assert len(set(separate)) == 5  # distinct values: a leak between candidates would show
     for budget in (2048, 1):  # both trees in one padded batch, and one tree per forward pass
         assert q.score_groups(prompts, groups, budget) == pytest.approx(separate, abs=1e-5)
@@ -882,6 +910,7 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     # Every method answers from Craigslist's price grid: the constrained vendor starts mid-range.
     assert {(r.rollout.env, r.rollout.constrained, r.iterations) for r in rounds.values()} == {("craigslist", True, 3)}
     assert {r.method.kind for r in rounds.values()} == {"igrpo", "st-grpo", "mt-kto", "mt-sft"}
+    assert rounds["igrpo-craigslist-s1"].method.q.features == "response_mean"
     omar = load_suite("omar-grid-suite")
     selfplay = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
     assert len(selfplay) == 6 and omar.metric == "outcome"

@@ -115,6 +115,12 @@ class QConfig(_Section):
     data: Literal["round", "all_rounds"] = Field(
         "round", description="Fit on the round's logs only (on-policy) or on every round's so far."
     )
+    features: Literal["last_token", "response_mean"] = Field(
+        "last_token",
+        description="What the head reads: the final hidden state at the last token (the specification's), or its "
+        "mean over the response's tokens (our choice: candidates that differ in a few tokens, such as a price, "
+        "differ more there; docs/results.md 22).",
+    )
 
 
 class IGRPOConfig(RoundMethodConfig):

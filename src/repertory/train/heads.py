@@ -83,8 +83,10 @@ class LastTokenFeatures(nn.Module):
 
 
 class QFunction(nn.Module):
-    """Q(s, a): a scalar head on the last-token features of [history; response], the backbone with its own LoRA
-    adapter. Outputs are probabilities (sigmoid) when every target lies in [0, 1] (``bce``), else raw values.
+    """Q(s, a): a scalar head on the features of [history; response] (the last token's, or the mean over the
+    response's tokens: ``config.features``), the backbone with its own LoRA adapter. Outputs are probabilities
+    (sigmoid) when every target lies in [0, 1] (``bce``), else raw values. Each sequence comes with ``start``,
+    where its response begins.
 
     The head reads the features standardised per dimension (``shift``, ``scale``: the Q-train features' mean and
     standard deviation at the first fit). Still linear in h, but a language model's final hidden states share one
@@ -101,36 +103,54 @@ class QFunction(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.register_buffer("shift", torch.zeros(self.features.size, device=self.features.device))
         self.register_buffer("scale", torch.ones(self.features.size, device=self.features.device))
+        self.response_mean = config.features == "response_mean"
         self.bce = True
 
     def trainable(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(adapter parameters, head parameters)."""
         return self.features.adapter(), list(self.head.parameters())
 
-    def logits(self, sequences: list[list[int]]) -> torch.Tensor:
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The positions [a, b) whose features a response at [start, end) is read from: the last token, or every
+        response token (a response without tokens is read at the prompt's last token)."""
+        return (start, end) if self.response_mean and start < end else (end - 1, end)
+
+    def pooled(self, sequences: list[PackedSequence], spans: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """One feature row per span (in order): the mean of the final hidden states over its positions."""
+        positions = [[p for a, b in row for p in range(a, b)] for row in spans]
+        hidden = self.features.at(sequences, positions)
+        return torch.stack([part.mean(dim=0) for part in hidden.split([b - a for row in spans for a, b in row])])
+
+    def chains(self, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Features of plain [history; response] sequences."""
+        packed = [PackedSequence(list(s), []) for s in sequences]
+        return self.pooled(packed, [[self.span(start, len(s))] for s, start in zip(sequences, starts)])
+
+    def logits(self, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
         """z per sequence."""
-        return self.z(self.features(sequences))
+        return self.z(self.chains(sequences, starts))
 
     def z(self, features: torch.Tensor) -> torch.Tensor:
         """The head on standardised features."""
         return self.head((features - self.shift) / self.scale).squeeze(-1)
 
     @torch.no_grad()
-    def standardise(self, sequences: list[list[int]], micro_tokens: int) -> None:
+    def standardise(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> None:
         """Set ``shift`` and ``scale`` to the per-dimension mean and standard deviation of these sequences'
         features (a dimension that barely varies is floored at 1% of the mean deviation, not blown up)."""
         batches = token_batches([len(s) for s in sequences], micro_tokens)
-        features = torch.cat([self.features([sequences[i] for i in micro]) for micro in batches])
+        rows = [self.chains([sequences[i] for i in micro], [starts[i] for i in micro]) for micro in batches]
+        features = torch.cat(rows)
         std = features.std(dim=0, unbiased=False)
         self.shift.copy_(features.mean(dim=0))
         self.scale.copy_(std.clamp_min(max(0.01 * float(std.mean()), 1e-6)))
 
     @torch.no_grad()
-    def score(self, sequences: list[list[int]], micro_tokens: int) -> list[float]:
+    def score(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> list[float]:
         """q per sequence."""
         out: list[float] = [0.0] * len(sequences)
         for micro in token_batches([len(s) for s in sequences], micro_tokens):
-            z = self.logits([sequences[i] for i in micro])
+            z = self.logits([sequences[i] for i in micro], [starts[i] for i in micro])
             for i, value in zip(micro, offline.q_values(z, self.bce).tolist()):
                 out[i] = value
         return out
@@ -140,13 +160,13 @@ class QFunction(nn.Module):
         """q of every response of every group (flat, in order), each group's prompt encoded once for all its
         responses (a shared-prompt tree); equal to :meth:`score` of each prompt + response."""
         trees = [shared_prompt(p, list(enumerate(rs))) for p, rs in zip(prompts, groups)]
-        ends = [
-            [start + len(r) - 1 if r else len(p) - 1 for (_, start), r in zip(tree.spans, rs)]
-            for tree, p, rs in zip(trees, prompts, groups)
+        spans = [
+            [self.span(start, start + len(r)) if r else self.span(len(p), len(p)) for (_, start), r in zip(t.spans, rs)]
+            for t, p, rs in zip(trees, prompts, groups)
         ]
         out: list[float] = []
         for micro in token_batches([len(t.input_ids) for t in trees], micro_tokens):
-            z = self.z(self.features.at([trees[i] for i in micro], [ends[i] for i in micro]))
+            z = self.z(self.pooled([trees[i] for i in micro], [spans[i] for i in micro]))
             out += offline.q_values(z, self.bce).tolist()
         return out
 
@@ -172,11 +192,12 @@ class QFunction(nn.Module):
 class QExample:
     sequence: list[int]
     target: float
+    start: int  # where the response begins in ``sequence``
 
 
 def q_examples(turns: list[LoggedTurn]) -> list[QExample]:
     """[history; response] -> G_t."""
-    return [QExample(list(t.prompt_ids) + list(t.response_ids), t.ret) for t in turns]
+    return [QExample(list(t.prompt_ids) + list(t.response_ids), t.ret, len(t.prompt_ids)) for t in turns]
 
 
 def fit_q(
@@ -197,7 +218,7 @@ def fit_q(
         raise RepertoryError("the Q-function has no training turns (every logged kernel fell into Q-val)")
     q.bce = offline.q_uses_bce([e.target for e in train + val])
     if not warm:
-        q.standardise([e.sequence for e in train], micro_tokens)
+        q.standardise([e.sequence for e in train], [e.start for e in train], micro_tokens)
         with torch.no_grad():
             q.head.weight.zero_()
             q.head.bias.fill_(offline.q_head_init_bias(sum(e.target for e in train) / len(train), q.bce))
@@ -208,7 +229,7 @@ def fit_q(
         total = 0.0
         for micro in token_batches([len(e.sequence) for e in examples], micro_tokens):
             with torch.set_grad_enabled(train_step):
-                z = q.logits([examples[i].sequence for i in micro])
+                z = q.logits([examples[i].sequence for i in micro], [examples[i].start for i in micro])
                 targets = torch.tensor([examples[i].target for i in micro], dtype=z.dtype, device=z.device)
                 loss = offline.q_loss(z, targets, q.bce) * (len(micro) / len(examples))
             if train_step:
@@ -244,7 +265,7 @@ def fit_q(
         "q/val_examples": float(len(val)),
     }
     if val:
-        predicted = q.score([e.sequence for e in val], micro_tokens)
+        predicted = q.score([e.sequence for e in val], [e.start for e in val], micro_tokens)
         targets = [e.target for e in val]
         metrics["q/val_loss"] = best_loss
         metrics["q/val_mse"] = sum((p - g) ** 2 for p, g in zip(predicted, targets)) / len(val)
