@@ -20,6 +20,7 @@ from repertory.envs.parsing import (
     PayloadError,
     as_integer,
     clean,
+    closest_choice,
     find_tags,
     last_tag,
     normalize_key,
@@ -452,3 +453,32 @@ def test_parse_fields_raises_only_payload_error(payload, fields, required):
             as_integer(value, "x")
         except PayloadError:
             pass
+
+
+GRID = ['<propose>{"price": 400}</propose>', '<propose>{"price": 450}</propose>', "<accept/>", "<reject/>"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('How about 437? <propose>{"price": 437}</propose>', GRID[1]),  # 13 from 450, 37 from 400
+        ('<propose>{"price": 425}</propose>', GRID[0]),  # a tie goes to the first choice
+        ('<propose>{"price": 9}</propose> then <accept />', GRID[2]),  # the last tag counts
+        ("That works. <ACCEPT></accept>", GRID[2]),
+        ("Deal?", None),  # no tag
+        ("<propose>{price: 400}</propose>", None),  # a payload that is no JSON object matches nothing
+        ('<propose>{"price": 400}', None),  # malformed
+        ('<propose>{"price": "400"}</propose>', None),  # not a number
+    ],
+)
+def test_closest_choice_projects_free_text_onto_the_constrained_answers(text, expected):
+    assert closest_choice(text, GRID) == expected
+
+
+def test_closest_choice_over_several_fields_and_plain_payloads():
+    split = ['<propose>{"book": 1, "hat": 0}</propose>', '<propose>{"book": 2, "hat": 2}</propose>']
+    assert closest_choice('<propose>{"book": 2, "hat": 1, "ball": 0}</propose>', split) == split[1]  # 1 vs 2
+    assert closest_choice('<propose>{"book": 1}</propose>', split) == split[0]  # missing hat counts 0
+    moves = ["<choose>A</choose>", "<choose>B</choose>"]
+    assert closest_choice("I pick <choose> B </choose>", moves) == moves[1]
+    assert closest_choice("<choose>C</choose>", moves) is None

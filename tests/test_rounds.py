@@ -31,6 +31,7 @@ from repertory.train.heads import QExample, QFunction, fit_q
 from repertory.train.methods.archer import Transition, transitions
 from repertory.train.rounds import RoundsTrainer
 from repertory.train.turns import conversations, first_return, kernel_split, logged_turns, read_logs, read_turns
+from repertory.train.warm import warm_dir
 from repertory.types import Message, RepertoryError
 
 
@@ -920,6 +921,9 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     }
     assert {r.evaluation_opponent for r in selfplay.values()} == {"bot"}
     assert {(r.method.estimator, r.method.gamma) for r in selfplay.values()} == {("omar", 0.95), ("grpo", 1.0)}
+    # Both credits start from the one warm start: the bots' grid play imitated, so self-play closes deals.
+    assert {(r.warm_start.episodes, r.warm_start.epochs) for r in selfplay.values()} == {(24, 2)}
+    assert len({str(warm_dir(r)) for r in selfplay.values()}) == 1
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):

@@ -3,18 +3,20 @@ cached and shared by every run it would be the same for."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import tiny_checkpoint
 
-from repertory.agents import LMOptions
+from repertory.agents import LMOptions, Request, Response
 from repertory.agents.resolve import make_agent
-from repertory.config import load_config
+from repertory.config import WarmStartConfig, load_config
 from repertory.envs import env_class
 from repertory.models import load_tokenizer
 from repertory.rollout import run_episodes, schedule
 from repertory.store import read_episodes
 from repertory.train import start_run, warm_started
-from repertory.train.warm import warm_bot, warm_dir
+from repertory.train.warm import ConstrainedBot, warm_bot, warm_dir, write_demonstrations
 from repertory.types import RepertoryError
 
 
@@ -87,3 +89,38 @@ def test_the_warm_started_policy_plays_like_the_bot(tmp_path, tokenizer):
 
     before, after = defection(base), defection(warm)
     assert after > before + 0.25, (before, after)
+
+
+def test_a_constrained_warm_start_demonstrates_the_grid_answer_nearest_the_bots(tmp_path):
+    """On Craigslist's price grid (5% steps of the list price) the bots' concessions snap to the nearest step,
+    and their games still close where the free-text ones do."""
+    games = {}
+    for constrained in ("true", "false"):
+        config = load_config(
+            None, [f"output_dir={tmp_path}", "rollout.env=craigslist", f"rollout.constrained={constrained}"]
+        )
+        write_demonstrations(config.model_copy(update={"warm_start": WarmStartConfig(episodes=4)}), tmp_path / "d")
+        games[constrained] = read_episodes(tmp_path / "d")
+    on_grid, free = games["true"][1], games["false"][1]  # list price 2000: vendor floor 1600, customer limit 1650
+    assert [t.text for t in free.turns][2:5] == [
+        'How about 1867? <propose>{"price": 1867}</propose>',
+        'How about 1500? <propose>{"price": 1500}</propose>',
+        'How about 1733? <propose>{"price": 1733}</propose>',
+    ]
+    prices = [json.loads(t.text[len("<propose>") : -len("</propose>")])["price"] for t in on_grid.turns[:-1]]
+    assert prices == [2000, 1400, 1900, 1500, 1700, 1600] and on_grid.turns[-1].text == "<accept/>"
+    assert on_grid.result.roles["vendor"].outcome == free.result.roles["vendor"].outcome == 0.8
+    assert [ep.metrics["deal_rate"] for ep in games["true"]] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_bot_answer_off_the_choices_is_refused_with_the_remedy():
+    class Chatty:
+        name, policy_id = "chatty", "scripted:chatty"
+
+        def act(self, requests):
+            return [Response("Let us talk first.") for _ in requests]
+
+    request = Request("e0", 0, "vendor", [], {}, choices=['<propose>{"price": 10}</propose>', "<accept/>"])
+    with pytest.raises(RepertoryError, match="'Let us talk first.', which matches none of the vendor's constrained"):
+        ConstrainedBot(Chatty()).act([request])
+    assert ConstrainedBot(Chatty()).act([Request("e0", 0, "vendor", [], {})])[0].text == "Let us talk first."

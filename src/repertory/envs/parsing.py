@@ -147,3 +147,42 @@ def parse_fields(payload: str, fields: tuple[str, ...], required: bool) -> dict[
         if missing:
             raise PayloadError(f"missing key {missing[0]!r}")
     return out
+
+
+def closest_choice(text: str, choices: list[str]) -> str | None:
+    """The constrained answer nearest to a free-text one: a choice whose action tag is the text's last, and
+    among proposals the one nearest to the text's (L1 over the JSON payloads' numeric fields, a missing field
+    counting 0; any other payload must match exactly). None when no choice shares the text's tag.
+
+    A scripted bot names prices between a grid's steps; its answer projected here is what a constrained
+    policy could have written, so a warm start of a constrained run imitates actions it can take."""
+    names = {m.group(2).lower(): bool(m.group(1)) for choice in choices for m in _TAG.finditer(choice)}
+    content = frozenset(name for name, closed in names.items() if closed)
+    empty = frozenset(names) - content
+    wanted = last_tag(clean(text), content, empty)
+    if wanted is None or wanted.malformed:
+        return None
+    best, best_distance = None, math.inf
+    for choice in choices:
+        tag = last_tag(choice, content, empty)
+        if tag is not None and tag.name == wanted.name:
+            distance = _payload_distance(wanted.payload, tag.payload)
+            if distance < best_distance:
+                best, best_distance = choice, distance
+    return best
+
+
+def _payload_distance(a: str | None, b: str | None) -> float:
+    """0 for equal payloads, the L1 distance of two JSON objects of numbers, else infinity."""
+    if a is None or b is None:
+        return 0.0 if a is b else math.inf
+    if a.strip() == b.strip():
+        return 0.0
+    try:
+        x, y = parse_json_object(a), parse_json_object(b)
+    except PayloadError:
+        return math.inf
+    numbers = (int, float)
+    if not all(isinstance(v, numbers) and not isinstance(v, bool) for v in (*x.values(), *y.values())):
+        return math.inf
+    return float(sum(abs(float(x.get(k, 0)) - float(y.get(k, 0))) for k in {*x, *y}))  # type: ignore[arg-type]

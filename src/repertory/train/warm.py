@@ -16,9 +16,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from repertory.agents import Agent, Request, Response
 from repertory.agents.resolve import make_agent
 from repertory.config import TrainConfig
 from repertory.envs import env_class
+from repertory.envs.parsing import closest_choice
 from repertory.rollout import run_episodes, schedule
 from repertory.store import write_episodes
 from repertory.types import RepertoryError
@@ -73,11 +75,38 @@ def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
     return TrainConfig.model_validate(data)
 
 
+class ConstrainedBot:
+    """A bot whose every answer is projected onto the seat's constrained choices, where it has them
+    (:func:`repertory.envs.parsing.closest_choice`): a constrained run's warm start then imitates answers its
+    policy can give, and the bots' games still close deals at the grid's prices."""
+
+    def __init__(self, bot: Agent):
+        self.bot = bot
+        self.name, self.policy_id = bot.name, bot.policy_id
+
+    def act(self, requests: list[Request]) -> list[Response]:
+        return [self._project(r, a) for r, a in zip(requests, self.bot.act(requests), strict=True)]
+
+    def _project(self, request: Request, answer: Response) -> Response:
+        if request.choices is None:
+            return answer
+        choice = closest_choice(answer.text, request.choices)
+        if choice is None:
+            raise RepertoryError(
+                f"warm start: the bot {self.name!r} answered {answer.text!r}, which matches none of the "
+                f"{request.role}'s constrained choices; turn rollout.constrained off for this environment"
+            )
+        return Response(choice)
+
+
 def write_demonstrations(config: TrainConfig, path: Path) -> None:
-    """``warm_start.episodes`` games of the bot in every seat on train kernels (seed 0), as Parquet."""
+    """``warm_start.episodes`` games of the bot in every seat on train kernels (seed 0), as Parquet; with
+    ``rollout.constrained`` the bots answer the nearest constrained choice."""
     assert config.warm_start is not None
     cls = env_class(config.rollout.env)
-    bots = [make_agent(warm_bot(config), cls) for _ in cls.roles]
+    bots: list[Agent] = [make_agent(warm_bot(config), cls) for _ in cls.roles]
+    if config.rollout.constrained:
+        bots = [ConstrainedBot(bot) for bot in bots]
     specs = schedule(
         config.rollout.env, bots, config.warm_start.episodes, 0, "train", env_options=config.rollout.env_options
     )
