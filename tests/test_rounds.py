@@ -807,6 +807,14 @@ def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_epi
     single = tmp_path / "one.parquet"
     write_episodes(single, demos[:1])
     assert len(read_logs(single, trainer.env, tokenizer, 0.95)[0]) == len(demos[0].trajectory("p0"))
+    # Every seat's turns, for self-play: the customer's too, each with its own outcome.
+    both = read_logs(single, trainer.env, tokenizer, 0.95, every_seat=True)[0]
+    assert [(t.seat_id, t.response) for t in both] == [
+        (seat, t.text) for seat in ("p0", "p1") for t in demos[0].trajectory(seat)
+    ]
+    assert {t.seat_id: t.outcome for t in both} == {
+        s.seat_id: demos[0].result.roles[s.name].outcome for s in demos[0].seats
+    }
     other = tmp_path / "other"
     EpisodeStore(other).append(play_episodes("ipd", ["always-cooperate", "always-defect"]))
     with pytest.raises(RepertoryError, match="is a game of ipd, not craigslist"):
@@ -922,7 +930,7 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {r.evaluation_opponent for r in selfplay.values()} == {"bot"}
     assert {(r.method.estimator, r.method.gamma) for r in selfplay.values()} == {("omar", 0.95), ("grpo", 1.0)}
     # Both credits start from the one warm start: the bots' grid play imitated, so self-play closes deals.
-    assert {(r.warm_start.episodes, r.warm_start.epochs) for r in selfplay.values()} == {(24, 2)}
+    assert {(r.warm_start.episodes, r.warm_start.epochs) for r in selfplay.values()} == {(32, 3)}
     assert len({str(warm_dir(r)) for r in selfplay.values()}) == 1
 
 

@@ -16,7 +16,7 @@ from repertory.models import load_tokenizer
 from repertory.rollout import run_episodes, schedule
 from repertory.store import read_episodes
 from repertory.train import start_run, warm_started
-from repertory.train.warm import ConstrainedBot, warm_bot, warm_dir, write_demonstrations
+from repertory.train.warm import ConstrainedBot, imitation_config, warm_bot, warm_dir, write_demonstrations
 from repertory.types import RepertoryError
 
 
@@ -54,6 +54,12 @@ def test_the_bot_imitated_and_the_cache_key(tmp_path):
     assert warm_dir(_config(tmp_path, "method.kind=mt-sft", "rollout.opponent=always-cooperate")) == base
     for other in ("warm_start.episodes=3", "warm_start.bot=always-defect", "model.lora.r=4", "rollout.env=ultimatum"):
         assert warm_dir(_config(tmp_path, other)) != base, other
+    # Self-play imitates every seat of a game with a trained seat; its warm start is cached apart.
+    vendor = _config(tmp_path, "rollout.env=craigslist", "rollout.opponent=bot")
+    both = _config(tmp_path, "rollout.env=craigslist", "rollout.opponent=self")
+    assert imitation_config(vendor, tmp_path).method.log_seats == "trained"
+    assert imitation_config(both, tmp_path).method.log_seats == "every"
+    assert warm_dir(both) != warm_dir(vendor) and warm_bot(both) == warm_bot(vendor) == "bot"
     with pytest.raises(RepertoryError, match="warm_start.bot: 'bot' is no bot of ipd; allowed: always-cooperate, "):
         _config(tmp_path, "warm_start.bot=bot")
 

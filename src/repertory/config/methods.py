@@ -77,6 +77,11 @@ class RoundMethodConfig(_Section):
         description="Round 0 learns from these logged turns (Parquet; docs/cli.md, Bring your own logs) instead of "
         "deploying.",
     )
+    log_seats: Literal["trained", "every"] = Field(
+        "trained",
+        description="Which seats of played episodes in `logs` are learned from: the game's trained seat, or every "
+        "seat (a warm start for self-play, where one policy plays them all).",
+    )
     reference: Literal["round", "initial"] = Field(
         "round", description="KL reference while improving: the round's policy pi_k or the initial pi_0."
     )

@@ -98,7 +98,8 @@ class RoundsTrainer(Trainer):
         self._online("a deployment")
         method = self.method.config
         if round_index == 0 and method.logs:
-            turns, episodes, served = read_logs(method.logs, self.env, self.loaded.tokenizer, method.gamma)
+            every = method.log_seats == "every"
+            turns, episodes, served = read_logs(method.logs, self.env, self.loaded.tokenizer, method.gamma, every)
             if served is not None:
                 self.served_counts = {
                     "logs/conversations": float(served.conversations),

@@ -52,15 +52,18 @@ def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> lis
     return out
 
 
-def demonstration_turns(episodes: list[Episode], env: type[Env], tokenizer: Any, gamma: float) -> list[LoggedTurn]:
+def demonstration_turns(
+    episodes: list[Episode], env: type[Env], tokenizer: Any, gamma: float, every_seat: bool = False
+) -> list[LoggedTurn]:
     """Logged turns from any played episodes (bots, people, other models): the turns of the seat the policy
-    is trained in (the game's trained seat, or every seat where the game fixes none), each text rendered with
-    the policy's chat template, G_t from the turn rewards."""
+    is trained in (the game's trained seat, or every seat where the game fixes none or ``every_seat``), each
+    text rendered with the policy's chat template, G_t from the turn rewards."""
     out = []
     for ep in episodes:
         if ep.env != env.name:
             raise RepertoryError(f"episode {ep.episode_id} is a game of {ep.env}, not {env.name}")
-        seats = [env.roles.index(env.default_trained_role)] if env.fixed_seat else range(len(ep.seats))
+        fixed = env.fixed_seat and not every_seat
+        seats = [env.roles.index(env.default_trained_role)] if fixed else range(len(ep.seats))
         for index in seats:
             seat = ep.seats[index]
             own = ep.trajectory(seat.seat_id)
@@ -99,11 +102,12 @@ def _renderer(tokenizer: Any) -> Render:
 
 
 def read_logs(
-    path: str | Path, env: type[Env], tokenizer: Any, gamma: float
+    path: str | Path, env: type[Env], tokenizer: Any, gamma: float, every_seat: bool = False
 ) -> tuple[list[LoggedTurn], list[Episode], ServedRead | None]:
     """Round 0's logs: a served log directory (``repertory serve``; also returned, for its counts), a
     logged-turns Parquet file, or played episodes — an episode file or an episode store directory
-    (``repertory play --out``) — whose trained seat's turns become the logged turns."""
+    (``repertory play --out``) — whose trained seat's turns (every seat's with ``every_seat``) become the
+    logged turns."""
     path = Path(path)
     if is_served_log(path):
         served = read_served(path)
@@ -118,7 +122,7 @@ def read_logs(
         episodes = read_episodes(path)
     else:
         return read_turns(path, tokenizer, gamma), [], None
-    return demonstration_turns(episodes, env, tokenizer, gamma), episodes, None
+    return demonstration_turns(episodes, env, tokenizer, gamma, every_seat), episodes, None
 
 
 def served_turns(served: ServedRead, where: str, tokenizer: Any, gamma: float) -> list[LoggedTurn]:

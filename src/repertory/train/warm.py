@@ -42,6 +42,12 @@ def warm_bot(config: TrainConfig) -> str:
     return bots[0]
 
 
+def imitates_every_seat(config: TrainConfig) -> bool:
+    """Whether a game with a trained seat is imitated in every seat, not that seat only: for self-play, where
+    the policy plays them all (games without a trained seat always imitate every seat)."""
+    return env_class(config.rollout.env).fixed_seat and config.rollout.opponent in ("self", "pool")
+
+
 def warm_dir(config: TrainConfig) -> Path:
     """Where the warm start of ``config`` is cached (shared by every config it would be the same for)."""
     assert config.warm_start is not None
@@ -54,13 +60,16 @@ def warm_dir(config: TrainConfig) -> Path:
         "sampling": [config.rollout.temperature, config.rollout.max_new_tokens, config.rollout.constrained],
         "algo": config.algo.model_dump(mode="json", exclude={"lr"}),
     }
+    if imitates_every_seat(config):  # a key only when set, so the warm starts cached before it keep their digest
+        shape["seats"] = "every"
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
     return Path(config.output_dir) / "warm-starts" / f"{config.rollout.env}-{digest}"
 
 
 def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
-    """The warm start's own run: one mt-sft round on every demonstration against the bot, then a held-out
-    evaluation (the warm-started policy's score, the comparison's base row)."""
+    """The warm start's own run: one mt-sft round on every demonstration (the trained seat's turns, every
+    seat's for self-play) against the bot, then a held-out evaluation (the warm-started policy's score, the
+    comparison's base row)."""
     assert config.warm_start is not None
     data: dict[str, Any] = config.model_dump(mode="json")
     data.update(name=RUN, output_dir=str(directory), iterations=1, warm_start=None, seed=0, tracking=["jsonl"])
@@ -69,6 +78,7 @@ def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
         "logs": str(directory / DEMOS),
         "quantile": 0.0,
         "epochs": config.warm_start.epochs,
+        "log_seats": "every" if imitates_every_seat(config) else "trained",
     }
     data["rollout"] = {**data["rollout"], "opponent": warm_bot(config), "workers": 0}
     data["algo"] = {**data["algo"], "lr": config.warm_start.lr, "kl_mode": "loss"}
