@@ -26,6 +26,7 @@ import torch
 from repertory.algos import offline
 from repertory.models import load_model
 from repertory.stats import rank_correlation
+from repertory.train.heads import standard_scale
 from repertory.train.turns import read_turns
 
 parser = argparse.ArgumentParser(description=__doc__)
@@ -53,7 +54,7 @@ def encode(model, turns) -> tuple[torch.Tensor, torch.Tensor]:
 def fit_head(x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, standardise: bool) -> tuple[list[float], list]:
     """Training loss at epochs 0..E and the predictions on ``test``."""
     if standardise:
-        shift, scale = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+        shift, scale = standard_scale(x)
         x, test = (x - shift) / scale, (test - shift) / scale
     head = torch.nn.Linear(x.shape[1], 1)
     torch.nn.init.zeros_(head.weight)
@@ -87,7 +88,7 @@ def ridge_cv(x: np.ndarray, y: np.ndarray, kernels: list[str], l2: float) -> flo
     predicted = np.zeros(len(y))
     for f in range(5):
         test = np.array([fold[k] == f for k in kernels])
-        shift, scale = x[~test].mean(0), x[~test].std(0) + 1e-6
+        shift, scale = (v.numpy() for v in standard_scale(torch.from_numpy(x[~test])))
         a, b = (x[~test] - shift) / scale, (x[test] - shift) / scale
         w = np.linalg.solve(a.T @ a + l2 * np.eye(a.shape[1]), a.T @ (y[~test] - y[~test].mean()))
         predicted[test] = b @ w + y[~test].mean()

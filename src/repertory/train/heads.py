@@ -82,6 +82,13 @@ class LastTokenFeatures(nn.Module):
         return hidden[rows, cols].float()
 
 
+def standard_scale(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension (mean, standard deviation) of feature rows, a dimension that barely varies floored at 1% of
+    the mean deviation (not blown up): the Q head reads (h - mean) / deviation (docs/algorithms.md 5.4)."""
+    std = features.std(dim=0, unbiased=False)
+    return features.mean(dim=0), std.clamp_min(max(0.01 * float(std.mean()), 1e-6))
+
+
 class QFunction(nn.Module):
     """Q(s, a): a scalar head on the features of [history; response] (the last token's, or the mean over the
     response's tokens: ``config.features``), the backbone with its own LoRA adapter. Outputs are probabilities
@@ -136,14 +143,12 @@ class QFunction(nn.Module):
 
     @torch.no_grad()
     def standardise(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> None:
-        """Set ``shift`` and ``scale`` to the per-dimension mean and standard deviation of these sequences'
-        features (a dimension that barely varies is floored at 1% of the mean deviation, not blown up)."""
+        """Set ``shift`` and ``scale`` to :func:`standard_scale` of these sequences' features."""
         batches = token_batches([len(s) for s in sequences], micro_tokens)
         rows = [self.chains([sequences[i] for i in micro], [starts[i] for i in micro]) for micro in batches]
-        features = torch.cat(rows)
-        std = features.std(dim=0, unbiased=False)
-        self.shift.copy_(features.mean(dim=0))
-        self.scale.copy_(std.clamp_min(max(0.01 * float(std.mean()), 1e-6)))
+        shift, scale = standard_scale(torch.cat(rows))
+        self.shift.copy_(shift)
+        self.scale.copy_(scale)
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> list[float]:
