@@ -54,6 +54,7 @@ def test_a_run_config_holds_only_its_methods_settings():
         "kind": "mt-sft",
         "gamma": 0.95,
         "logs": None,
+        "log_seats": "trained",
         "reference": "round",
         "batch_size": 16,
         "epochs": 2,
