@@ -12,11 +12,20 @@ from repertory.agents import LMOptions, Request, Response
 from repertory.agents.resolve import make_agent
 from repertory.config import WarmStartConfig, load_config
 from repertory.envs import env_class
+from repertory.envs.ipd import moves_of
 from repertory.models import load_tokenizer
 from repertory.rollout import run_episodes, schedule
 from repertory.store import read_episodes
 from repertory.train import start_run, warm_started
-from repertory.train.warm import ConstrainedBot, imitation_config, warm_bot, warm_dir, write_demonstrations
+from repertory.train.turns import demonstration_turns, read_logs
+from repertory.train.warm import (
+    ConstrainedBot,
+    imitation_config,
+    line_ups,
+    warm_bot,
+    warm_dir,
+    write_demonstrations,
+)
 from repertory.types import RepertoryError
 
 
@@ -130,3 +139,37 @@ def test_a_bot_answer_off_the_choices_is_refused_with_the_remedy():
     with pytest.raises(RepertoryError, match="'Let us talk first.', which matches none of the vendor's constrained"):
         ConstrainedBot(Chatty()).act([request])
     assert ConstrainedBot(Chatty()).act([Request("e0", 0, "vendor", [], {})])[0].text == "Let us talk first."
+
+
+def test_a_partner_shows_how_the_bot_answers_and_only_the_bot_is_imitated(tmp_path, tokenizer):
+    """Tit-for-tat against itself cooperates every round; against random it answers defections, in either seat,
+    and the imitation learns its turns only."""
+    config = _config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.partner=random", "warm_start.episodes=5")
+    assert line_ups(config) == [(["tit-for-tat", "random"], 3), (["random", "tit-for-tat"], 2)]
+    alone = _config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.partner=tit-for-tat", "warm_start.episodes=5")
+    assert line_ups(alone) == [(["tit-for-tat", "tit-for-tat"], 5)]
+    assert warm_dir(alone) == warm_dir(_config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.episodes=5"))
+    assert warm_dir(config) != warm_dir(alone)
+    assert imitation_config(config, tmp_path).method.log_agent == "tit-for-tat"
+    assert imitation_config(alone, tmp_path).method.log_agent is None
+
+    write_demonstrations(config, tmp_path / "demos.parquet")
+    episodes = read_episodes(tmp_path / "demos.parquet")
+    assert [[seat.agent for seat in ep.seats] for ep in episodes] == [["tit-for-tat", "random"]] * 3 + [
+        ["random", "tit-for-tat"]
+    ] * 2
+    turns = demonstration_turns(episodes, env_class("ipd"), tokenizer, 1.0, agent="tit-for-tat")
+    assert (
+        len(turns) == 5 * 10
+        and {t.seat_id for t in turns[:10]} == {"p0"}
+        and {t.seat_id for t in turns[-10:]} == {"p1"}
+    )
+    for ep in episodes:
+        bot = [seat.agent for seat in ep.seats].index("tit-for-tat")
+        own, theirs = moves_of(ep, bot)
+        assert own == "A" + theirs[:-1]  # tit-for-tat: cooperate, then copy the partner's last move
+    assert any("B" in moves_of(ep, 0)[0] + moves_of(ep, 1)[0] for ep in episodes)
+    with pytest.raises(RepertoryError, match=r"no seat played by 'grim-trigger' \(log_agent\); the agents logged: "):
+        read_logs(tmp_path / "demos.parquet", env_class("ipd"), tokenizer, 1.0, agent="grim-trigger")
+    with pytest.raises(RepertoryError, match="warm_start.partner: 'bot' is no bot of ipd; allowed: always-coop"):
+        _config(tmp_path, "warm_start.partner=bot")

@@ -114,11 +114,14 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _warm_start_bot(self) -> TrainConfig:
         bots = list(env_class(self.rollout.env).bots)
-        if self.warm_start is not None and (not bots or self.warm_start.bot not in (None, *bots)):
+        if self.warm_start is None:
+            return self
+        for field in ("bot", "partner"):
+            chosen = getattr(self.warm_start, field)
+            if bots and chosen in (None, *bots):
+                continue
             allowed = ", ".join(bots) if bots else f"none: {self.rollout.env} has no bot, remove warm_start"
-            raise ValueError(
-                f"warm_start.bot: {self.warm_start.bot!r} is no bot of {self.rollout.env}; allowed: {allowed}"
-            )
+            raise ValueError(f"warm_start.{field}: {chosen!r} is no bot of {self.rollout.env}; allowed: {allowed}")
         return self
 
     @model_validator(mode="after")

@@ -82,6 +82,11 @@ class RoundMethodConfig(_Section):
         description="Which seats of played episodes in `logs` are learned from: the game's trained seat, or every "
         "seat (a warm start for self-play, where one policy plays them all).",
     )
+    log_agent: str | None = Field(
+        None,
+        description="Of those seats, learn only the ones this agent played (its name as logged: a bot's name, "
+        "a model's path); default: every agent's.",
+    )
     reference: Literal["round", "initial"] = Field(
         "round", description="KL reference while improving: the round's policy pi_k or the initial pi_0."
     )

@@ -227,6 +227,12 @@ class WarmStartConfig(_Section):
         None,
         description="The bot imitated; default: rollout.opponent if it is a bot of the game, else the game's partner.",
     )
+    partner: str | None = Field(
+        None,
+        description="The bot it plays against; default: itself. A different partner takes each seat in turn and "
+        "only the imitated bot's turns are learned: tit-for-tat against random shows how it answers defection, "
+        "which tit-for-tat against itself never does.",
+    )
     episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations.")
     epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
     lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")

@@ -99,7 +99,9 @@ class RoundsTrainer(Trainer):
         method = self.method.config
         if round_index == 0 and method.logs:
             every = method.log_seats == "every"
-            turns, episodes, served = read_logs(method.logs, self.env, self.loaded.tokenizer, method.gamma, every)
+            turns, episodes, served = read_logs(
+                method.logs, self.env, self.loaded.tokenizer, method.gamma, every, method.log_agent
+            )
             if served is not None:
                 self.served_counts = {
                     "logs/conversations": float(served.conversations),

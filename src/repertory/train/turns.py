@@ -53,11 +53,17 @@ def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> lis
 
 
 def demonstration_turns(
-    episodes: list[Episode], env: type[Env], tokenizer: Any, gamma: float, every_seat: bool = False
+    episodes: list[Episode],
+    env: type[Env],
+    tokenizer: Any,
+    gamma: float,
+    every_seat: bool = False,
+    agent: str | None = None,
 ) -> list[LoggedTurn]:
     """Logged turns from any played episodes (bots, people, other models): the turns of the seat the policy
-    is trained in (the game's trained seat, or every seat where the game fixes none or ``every_seat``), each
-    text rendered with the policy's chat template, G_t from the turn rewards."""
+    is trained in (the game's trained seat, or every seat where the game fixes none or ``every_seat``), of
+    those only the seats ``agent`` played when given, each text rendered with the policy's chat template, G_t
+    from the turn rewards."""
     out = []
     for ep in episodes:
         if ep.env != env.name:
@@ -66,6 +72,8 @@ def demonstration_turns(
         seats = [env.roles.index(env.default_trained_role)] if fixed else range(len(ep.seats))
         for index in seats:
             seat = ep.seats[index]
+            if agent is not None and seat.agent != agent:
+                continue
             own = ep.trajectory(seat.seat_id)
             returns = algos.discounted_returns([turn.reward for turn in own], gamma)
             for t, (turn, ret) in enumerate(zip(own, returns)):
@@ -102,12 +110,17 @@ def _renderer(tokenizer: Any) -> Render:
 
 
 def read_logs(
-    path: str | Path, env: type[Env], tokenizer: Any, gamma: float, every_seat: bool = False
+    path: str | Path,
+    env: type[Env],
+    tokenizer: Any,
+    gamma: float,
+    every_seat: bool = False,
+    agent: str | None = None,
 ) -> tuple[list[LoggedTurn], list[Episode], ServedRead | None]:
     """Round 0's logs: a served log directory (``repertory serve``; also returned, for its counts), a
     logged-turns Parquet file, or played episodes — an episode file or an episode store directory
-    (``repertory play --out``) — whose trained seat's turns (every seat's with ``every_seat``) become the
-    logged turns."""
+    (``repertory play --out``) — whose trained seat's turns (every seat's with ``every_seat``; of those,
+    ``agent``'s only when given) become the logged turns."""
     path = Path(path)
     if is_served_log(path):
         served = read_served(path)
@@ -122,7 +135,11 @@ def read_logs(
         episodes = read_episodes(path)
     else:
         return read_turns(path, tokenizer, gamma), [], None
-    return demonstration_turns(episodes, env, tokenizer, gamma, every_seat), episodes, None
+    turns = demonstration_turns(episodes, env, tokenizer, gamma, every_seat, agent)
+    if not turns and agent is not None:
+        played = sorted({seat.agent for ep in episodes for seat in ep.seats})
+        raise RepertoryError(f"{path}: no seat played by {agent!r} (log_agent); the agents logged: {played}")
+    return turns, episodes, None
 
 
 def served_turns(served: ServedRead, where: str, tokenizer: Any, gamma: float) -> list[LoggedTurn]:

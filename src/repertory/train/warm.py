@@ -42,6 +42,13 @@ def warm_bot(config: TrainConfig) -> str:
     return bots[0]
 
 
+def warm_partner(config: TrainConfig) -> str | None:
+    """The bot the imitated one plays against when it is another (``warm_start.partner``), else None."""
+    assert config.warm_start is not None
+    partner = config.warm_start.partner
+    return partner if partner not in (None, warm_bot(config)) else None
+
+
 def imitates_every_seat(config: TrainConfig) -> bool:
     """Whether a game with a trained seat is imitated in every seat, not that seat only: for self-play, where
     the policy plays them all (games without a trained seat always imitate every seat)."""
@@ -56,12 +63,15 @@ def warm_dir(config: TrainConfig) -> Path:
         "env_options": config.rollout.env_options,
         "model": config.model.model_dump(mode="json"),
         "bot": warm_bot(config),
-        "budget": config.warm_start.model_dump(mode="json", exclude={"bot"}),
+        "budget": config.warm_start.model_dump(mode="json", exclude={"bot", "partner"}),
         "sampling": [config.rollout.temperature, config.rollout.max_new_tokens, config.rollout.constrained],
         "algo": config.algo.model_dump(mode="json", exclude={"lr"}),
     }
-    if imitates_every_seat(config):  # a key only when set, so the warm starts cached before it keep their digest
+    # Keys only when set, so the warm starts cached before them keep their digest.
+    if imitates_every_seat(config):
         shape["seats"] = "every"
+    if warm_partner(config) is not None:
+        shape["partner"] = warm_partner(config)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
     return Path(config.output_dir) / "warm-starts" / f"{config.rollout.env}-{digest}"
 
@@ -69,7 +79,7 @@ def warm_dir(config: TrainConfig) -> Path:
 def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
     """The warm start's own run: one mt-sft round on every demonstration (the trained seat's turns, every
     seat's for self-play) against the bot, then a held-out evaluation (the warm-started policy's score, the
-    comparison's base row)."""
+    comparison's base row); with a partner, only the bot's seats."""
     assert config.warm_start is not None
     data: dict[str, Any] = config.model_dump(mode="json")
     data.update(name=RUN, output_dir=str(directory), iterations=1, warm_start=None, seed=0, tracking=["jsonl"])
@@ -79,6 +89,7 @@ def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
         "quantile": 0.0,
         "epochs": config.warm_start.epochs,
         "log_seats": "every" if imitates_every_seat(config) else "trained",
+        "log_agent": warm_bot(config) if warm_partner(config) is not None else None,
     }
     data["rollout"] = {**data["rollout"], "opponent": warm_bot(config), "workers": 0}
     data["algo"] = {**data["algo"], "lr": config.warm_start.lr, "kl_mode": "loss"}
@@ -109,16 +120,29 @@ class ConstrainedBot:
         return Response(choice)
 
 
-def write_demonstrations(config: TrainConfig, path: Path) -> None:
-    """``warm_start.episodes`` games of the bot in every seat on train kernels (seed 0), as Parquet; with
-    ``rollout.constrained`` the bots answer the nearest constrained choice."""
+def line_ups(config: TrainConfig) -> list[tuple[list[str], int]]:
+    """The demonstrations' seatings and how many games each: the bot in every seat, or with a partner the bot
+    in each seat in turn (the partner in the others), the games shared out as evenly as they go."""
     assert config.warm_start is not None
+    bot, partner, episodes = warm_bot(config), warm_partner(config), config.warm_start.episodes
+    seats = len(env_class(config.rollout.env).roles)
+    if partner is None:
+        return [([bot] * seats, episodes)]
+    shares = [episodes // seats + (s < episodes % seats) for s in range(seats)]
+    return [([bot if i == s else partner for i in range(seats)], n) for s, n in enumerate(shares) if n]
+
+
+def write_demonstrations(config: TrainConfig, path: Path) -> None:
+    """``warm_start.episodes`` games of the bots (:func:`line_ups`) on train kernels (seed 0), as Parquet;
+    with ``rollout.constrained`` the bots answer the nearest constrained choice."""
     cls = env_class(config.rollout.env)
-    bots: list[Agent] = [make_agent(warm_bot(config), cls) for _ in cls.roles]
-    if config.rollout.constrained:
-        bots = [ConstrainedBot(bot) for bot in bots]
-    specs = schedule(
-        config.rollout.env, bots, config.warm_start.episodes, 0, "train", env_options=config.rollout.env_options
-    )
+    episodes = []
+    for index, (names, count) in enumerate(line_ups(config)):
+        bots: list[Agent] = [make_agent(name, cls) for name in names]
+        if config.rollout.constrained:
+            bots = [ConstrainedBot(bot) for bot in bots]
+        options = config.rollout.env_options
+        specs = schedule(config.rollout.env, bots, count, 0, "train", iteration=index, env_options=options)
+        episodes.extend(run_episodes(specs))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_episodes(path, run_episodes(specs))
+    write_episodes(path, episodes)
