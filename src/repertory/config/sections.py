@@ -218,10 +218,11 @@ class WandbConfig(_Section):
 
 
 class WarmStartConfig(_Section):
-    """Before training, the game's bot plays every seat on train kernels, one ``mt-sft`` round imitates its
-    turns, and the run starts from the exported result (cached under ``<output_dir>/warm-starts/``, shared by
-    every run it would be the same for: same environment, model, bot, budget; any seed, any method). A small
-    model that never writes a game's action tags learns them here, so its outcomes have something to learn from."""
+    """Before training, the game's bot plays every seat on train kernels (or each in turn against ``partner``),
+    one ``mt-sft`` round imitates its turns, and the run starts from the exported result (cached under
+    ``<output_dir>/warm-starts/``, shared by every run it would be the same for: same environment, model, bots,
+    budget; any seed, any method). A small model that never writes a game's action tags learns them here, so
+    its outcomes have something to learn from."""
 
     bot: str | None = Field(
         None,

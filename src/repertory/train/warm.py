@@ -1,10 +1,11 @@
 """Warm starts (``warm_start`` in a config): before a run trains, the game's bot plays every seat on train
-kernels, one ``mt-sft`` round imitates its turns, and the run starts from the exported result.
+kernels (or each seat in turn against a partner bot), one ``mt-sft`` round imitates its turns, and the run
+starts from the exported result.
 
 A small model that never writes a game's action tags has no outcome to learn from; imitating the bot first
 gives every method of a comparison the same competent starting policy. The warm start is cached under
 ``<output_dir>/warm-starts/<env>-<digest>``, the digest covering everything that shapes it (environment and
-options, model and adapter, bot, budget, sampling) but not the run's seed or method, so every run of a
+options, model and adapter, bots, budget, sampling) but not the run's seed or method, so every run of a
 comparison reuses it. Each of its steps (demonstrations, the imitation run, the export) is skipped when its
 output exists, so an interrupted warm start resumes (:func:`repertory.train.warm_started` runs them).
 """
