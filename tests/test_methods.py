@@ -55,6 +55,7 @@ def test_a_run_config_holds_only_its_methods_settings():
         "gamma": 0.95,
         "logs": None,
         "log_seats": "trained",
+        "log_agent": None,
         "reference": "round",
         "batch_size": 16,
         "epochs": 2,
