@@ -111,3 +111,19 @@ def test_eval_and_crossplay_with_workers_report_what_one_process_reports(ray_clu
         assert code == 0 and json.loads(sharded) == json.loads(alone)
     code, _, err = run_cli(capsys, *base, "--workers", "-1")
     assert code == 2 and "--workers must be at least 0" in err
+
+
+def test_workers_play_ahead_the_episodes_the_in_process_pipeline_plays(ray_cluster, tmp_path, tokenizer):
+    ahead = ("iterations=3", "rollout.max_staleness=1")
+    local = start_run(_config(tmp_path, "ahead-local", *ahead), tiny_model(tokenizer, seed=2)).fit()
+    sharded = start_run(_config(tmp_path, "ahead-sharded", *ahead, "rollout.workers=2"), tiny_model(tokenizer, seed=2))
+    run_dir = sharded.fit()
+    for iteration, version in enumerate([0, 0, 1]):  # iteration j sampled by the policy after j - 1 iterations
+        a = read_episodes(local / "episodes" / f"iter-{iteration:06d}.parquet")
+        b = read_episodes(run_dir / "episodes" / f"iter-{iteration:06d}.parquet")
+        assert [[t.response_ids for t in x.turns] for x in a] == [[t.response_ids for t in y.turns] for y in b]
+        assert {t.policy_version for ep in b for t in ep.turns} == {version}
+    # the learner reweights each token by the log-prob its sampler recorded: two copies agree to float rounding
+    for x, y in zip(_lines(local), _lines(run_dir), strict=True):
+        assert _same(x) == pytest.approx(_same(y), rel=1e-3, abs=1e-6)
+    assert sharded.workers is None and sharded.pipeline is None  # both closed at the end

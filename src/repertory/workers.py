@@ -187,9 +187,7 @@ class WorkerPool:
         bounds = [len(specs) * k // n for k in range(n + 1)]
         shards = [specs[bounds[k] : bounds[k + 1]] for k in range(n)]
         refs = [
-            actor.play.remote(
-                [(replace(s, agents=[]), [spec_of(a) for a in s.agents]) for s in shard], max_concurrent, schedule
-            )
+            actor.play.remote(by_name(shard, spec_of), max_concurrent, schedule)
             for actor, shard in zip(self.actors, shards)
         ]
         results = self._gather(refs, "playing", shards)
@@ -214,6 +212,43 @@ class WorkerPool:
         for actor in self.actors:
             self.ray.kill(actor)
         self.actors = []
+
+
+def by_name(specs: list[EpisodeSpec], spec_of: Callable[[Agent], str]) -> list[tuple[EpisodeSpec, list[str]]]:
+    """Episode specs as a worker takes them: without agents, each seat's agent named by its spec."""
+    return [(replace(spec, agents=[]), [spec_of(agent) for agent in spec.agents]) for spec in specs]
+
+
+@dataclass
+class LocalSampler:
+    """A rollout worker in this process (its own copy of the policy) as an asynchronous pipeline's sampler."""
+
+    worker: RolloutWorker
+    spec_of: Callable[[Agent], str]
+    max_concurrent: int
+    schedule: str
+
+    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.worker.update(version, tensors)
+
+    def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
+        return self.worker.play(by_name(specs, self.spec_of), self.max_concurrent, self.schedule)
+
+
+@dataclass
+class PoolSampler:
+    """The Ray workers as an asynchronous pipeline's sampler."""
+
+    pool: WorkerPool
+    spec_of: Callable[[Agent], str]
+    max_concurrent: int
+    schedule: str
+
+    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.pool.update(version, tensors)
+
+    def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
+        return self.pool.play(specs, self.spec_of, self.max_concurrent, self.schedule)
 
 
 def play(

@@ -112,6 +112,19 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _asynchronous_rollouts(self) -> TrainConfig:
+        if not self.rollout.max_staleness:
+            return self
+        unsupported = {
+            f"method kind {self.method.kind} (a round method: its rounds are off-policy already)": self.round_based,
+            "rollout.opponent pool (its snapshots are taken by iteration)": self.rollout.opponent == "pool",
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"rollout.max_staleness {self.rollout.max_staleness} does not support {what}")
+        return self
+
+    @model_validator(mode="after")
     def _warm_start_bot(self) -> TrainConfig:
         bots = list(env_class(self.rollout.env).bots)
         if self.warm_start is None:
@@ -126,7 +139,13 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _judge_when_needed(self) -> TrainConfig:
-        if self.judge.kind == "none" and make(self.rollout.env, **self.rollout.env_options).needs_judge:
+        needs_judge = make(self.rollout.env, **self.rollout.env_options).needs_judge
+        if needs_judge and self.rollout.max_staleness:
+            raise ValueError(
+                f"rollout.max_staleness {self.rollout.max_staleness}: the episodes played ahead cannot be judged yet; "
+                "set rollout.max_staleness: 0, or use reward: verifiable"
+            )
+        if self.judge.kind == "none" and needs_judge:
             raise ValueError(
                 f"rollout.env_options {self.rollout.env_options} score {self.rollout.env} with a judge: set judge.kind "
                 "(openai or local), or use reward: verifiable"

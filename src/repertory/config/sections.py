@@ -81,6 +81,15 @@ class RolloutConfig(_Section):
         description="Ray actors that play each iteration's episodes, sharded, each with its own copy of the policy "
         "(0: in this process). Needs the ray extra; RAY_ADDRESS names a cluster, else a local one starts.",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous rollouts: 0 plays each iteration with the current policy, then learns; k >= 1 plays "
+        "the next iterations in a background thread (or on rollout.workers) while the learner trains, iteration j "
+        "sampled by the policy after j - k iterations (a fixed schedule: no sample is more than k versions old, none "
+        "is dropped). algo.rollout_correction auto then reweights the stale tokens (tis). Online methods, without "
+        "the pool opponent, a rollout judge or data-parallel training.",
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the generation backend: for vllm any vllm.LLM argument (gpu_memory_utilization, "

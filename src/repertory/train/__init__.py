@@ -45,8 +45,10 @@ def check_names(config: TrainConfig) -> None:
 def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None) -> Trainer:
     """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
     check_names(config)
-    if distributed.world_size() > 1 and (config.round_based or config.rollout.workers):
-        raise RepertoryError("data-parallel training (--gpus) runs an online method without rollout.workers")
+    if distributed.world_size() > 1 and (config.round_based or config.rollout.workers or config.rollout.max_staleness):
+        raise RepertoryError(
+            "data-parallel training (--gpus) runs an online method without rollout.workers or rollout.max_staleness"
+        )
     loop = RoundsTrainer if config.round_based else OnlineTrainer
     return loop(config, run_dir, loaded)
 

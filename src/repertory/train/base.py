@@ -40,9 +40,10 @@ from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.methods import build_method
 from repertory.train.methods.adalign import AdvantageAlignment
+from repertory.train.pipeline import AsyncRollouts, Played, Sampler
 from repertory.train.pool import OpponentPool
 from repertory.types import Episode, RepertoryError, derive
-from repertory.workers import LIVE, LiveSource, WorkerPool
+from repertory.workers import LIVE, LiveSource, LocalSampler, PoolSampler, RolloutWorker, WorkerPool
 
 TIMING_PREFIXES = ("time/", "throughput/", "memory/")
 
@@ -66,7 +67,9 @@ class Trainer:
             needs_critic=self.method.value,
             temperature=config.rollout.temperature,
             seed=config.seed,
-            exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args),
+            # played ahead, samples come from an older policy: auto corrects them
+            exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args)
+            and not config.rollout.max_staleness,
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)
@@ -97,6 +100,8 @@ class Trainer:
         self.iteration = 0
         self.discount = self.method.discount  # gamma of the held-out expected discounted return
         self.workers: WorkerPool | None = None  # built at the first sharded rollout
+        self.pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: built at the first iteration
+        self.discarded_episodes = 0  # played ahead by the pipeline and never learned from (a stop before the end)
 
     def _options(self) -> LMOptions:
         """How the line-up's other language models sample."""
@@ -136,9 +141,37 @@ class Trainer:
             return [episode for shard in distributed.gather(mine) for episode in shard]
         if not rollout.workers:
             return run_episodes(specs, rollout.max_concurrent, judge=self.rollout_judge, schedule=rollout.schedule)
+        return self._worker_pool().play(specs, self._spec_of, rollout.max_concurrent, rollout.schedule)
+
+    def _worker_pool(self) -> WorkerPool:
         if self.workers is None:
+            rollout = self.config.rollout
             self.workers = WorkerPool(rollout.workers, rollout.env, self._options(), self._live_source())
-        return self.workers.play(specs, self._spec_of, rollout.max_concurrent, rollout.schedule)
+        return self.workers
+
+    def played_ahead(self, iteration: int) -> tuple[Played, float]:
+        """``iteration``'s episodes from the asynchronous pipeline (started here at the first call) and the
+        seconds the learner waited for them."""
+        if self.pipeline is None:
+            self.pipeline = AsyncRollouts(
+                self._sampler(),
+                self.specs,
+                self.config.rollout.max_staleness,
+                start=iteration,
+                stop=self.config.iterations,
+                version=self.backend.version,
+                weights=self._live_weights(),
+            )
+        return self.pipeline.take(iteration)
+
+    def _sampler(self) -> Sampler:
+        """What plays ahead of the learner: the Ray workers, else a worker in this process with its own copy of
+        the policy (the learner's module is written while the sampler plays)."""
+        rollout = self.config.rollout
+        if rollout.workers:
+            return PoolSampler(self._worker_pool(), self._spec_of, rollout.max_concurrent, rollout.schedule)
+        worker = RolloutWorker(rollout.env, self._options(), self._live_source())
+        return LocalSampler(worker, self._spec_of, rollout.max_concurrent, rollout.schedule)
 
     def _spec_of(self, agent: Agent) -> str:
         """The spec a worker resolves to this line-up agent."""
@@ -177,7 +210,10 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """End the rollout workers, if any."""
+        """End the asynchronous pipeline and the rollout workers, if any."""
+        if self.pipeline is not None:
+            self.discarded_episodes += self.pipeline.close()
+            self.pipeline = None
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -235,7 +271,9 @@ class Trainer:
     def sync(self) -> None:
         """After an update: the backend (and every rollout worker) samples the learner's current weights."""
         self.backend.sync(self.learner.model)
-        if self.workers is not None:
+        if self.pipeline is not None:  # the policy after this iteration; the pipeline sends it when due
+            self.pipeline.publish(self.iteration + 1, self.backend.version, self._live_weights())
+        elif self.workers is not None:
             self.workers.update(self.backend.version, self._live_weights())
 
     def write_credit(self, iteration: int, batch: Batch) -> None:
@@ -345,6 +383,7 @@ class Trainer:
                 for tracker in trackers:
                     tracker.log_report(files)
         finally:
+            self.close()
             for tracker in trackers:
                 tracker.close()
         distributed.barrier()

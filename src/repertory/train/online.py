@@ -20,7 +20,8 @@ from repertory.train import distributed
 from repertory.train.base import Trainer
 from repertory.train.batch import collect
 from repertory.train.methods import OnlineMethod
-from repertory.types import RepertoryError
+from repertory.train.pipeline import staleness_metrics
+from repertory.types import Episode, RepertoryError
 
 
 class OnlineTrainer(Trainer):
@@ -40,11 +41,7 @@ class OnlineTrainer(Trainer):
             if distributed.is_main():
                 self.pool.take(iteration)
             distributed.barrier()  # every process loads the snapshot file
-        start = time.perf_counter()
-        generated_before = self.backend.stats.generated_tokens
-        episodes = self.play(self.specs(iteration))
-        rollout_s = time.perf_counter() - start
-        generated = self.backend.stats.generated_tokens - generated_before
+        episodes, timing = self.rollouts(iteration)
         if distributed.is_main():
             write_episodes(self.run_dir.episodes(iteration), episodes)
         line.update(rollout_metrics(episodes))
@@ -78,11 +75,33 @@ class OnlineTrainer(Trainer):
                 **update,
                 **estimate_metrics,
                 **mismatch,
-                "time/rollout_s": rollout_s,
+                **timing,
                 "time/train_s": train_s,
-                "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
                 "throughput/train_tok_s": seq_tokens * (1 + algo.ppo_epochs) / train_s if train_s else 0.0,
                 "memory/peak_rss_mb": peak_rss_mb(),
             }
         )
         return line
+
+    def rollouts(self, iteration: int) -> tuple[list[Episode], dict[str, float]]:
+        """The iteration's episodes and their rollout metrics: played now by the current policy, or (with
+        ``rollout.max_staleness``) taken from the pipeline that played them ahead."""
+        if not self.config.rollout.max_staleness:
+            start = time.perf_counter()
+            generated_before = self.backend.stats.generated_tokens
+            episodes = self.play(self.specs(iteration))
+            rollout_s = time.perf_counter() - start
+            generated = self.backend.stats.generated_tokens - generated_before
+            return episodes, {
+                "time/rollout_s": rollout_s,
+                "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
+            }
+        played, waited = self.played_ahead(iteration)
+        generated = sum(len(turn.response_ids) for ep in played.episodes for turn in ep.turns)
+        return played.episodes, {
+            "time/rollout_s": played.rollout_s,
+            "time/rollout_wait_s": waited,
+            "throughput/rollout_tok_s": generated / played.rollout_s if played.rollout_s else 0.0,
+            "async/sampled_by_version": float(played.version),
+            **staleness_metrics(played.episodes, self.backend.version),
+        }
