@@ -112,7 +112,14 @@ def train(
             )
     on_line, progress = _train_progress(trainer, quiet)
     with progress:
-        run_dir = trainer.fit(on_line)
+        try:
+            run_dir = trainer.fit(on_line)
+        finally:
+            if trainer.discarded_episodes:
+                show(
+                    f"{trainer.discarded_episodes} episodes played ahead (rollout.max_staleness) were never learned "
+                    "from; --resume plays those iterations again with the restored policy"
+                )
     if not distributed.is_main():
         return
     out.print(f"run: {run_dir}")
@@ -155,5 +162,3 @@ def _train_suite(suite, quiet: bool) -> None:
     table = run_suite(suite, on_run=on_run, on_line=on_line)
     out.print(table.markdown())
     out.print(f"wrote {suite.output_dir}/table.md and table.csv")
-
-
