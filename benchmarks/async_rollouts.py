@@ -60,7 +60,7 @@ def measure(staleness: int, root: Path) -> dict:
         "train_s": [x["time/train_s"] for x in lines],
         "wait_s": [x.get("time/rollout_wait_s", x["time/rollout_s"]) for x in lines],
         "staleness": [x.get("async/staleness", 0.0) for x in lines],
-        "turns": [sum(1 for _ in range(int(x["samples"]))) for x in lines],
+        "samples": [int(x["samples"]) for x in lines],
         "later_wall_s": sum(walls[later]),
         "later_perfect_overlap_s": sum(overlap[later]),
         "outcome": [x["outcome"] for x in lines],
