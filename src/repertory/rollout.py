@@ -78,6 +78,7 @@ class _Running:
 
     def requests(self) -> list[tuple[Agent, Request]]:
         out = []
+        teams = self.env.seat_teams(self.spec.kernel.data)
         for role in self.env.acting_roles():
             seat = self.env.seat_index(role)
             self.chats[role].extend(self.env.observe(role))
@@ -90,6 +91,8 @@ class _Running:
                 turn_index=self.env.n_turns[role],
                 choices=self.env.action_choices(role),
                 max_chars=self.env.max_chars(role),
+                label=self.env.role_labels[seat],
+                team=teams[seat] if teams else "",
             )
             out.append((self.spec.agents[seat], request))
         return out

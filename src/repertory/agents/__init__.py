@@ -30,6 +30,8 @@ class Request:
     response when the action here is a finite set (None for free text), and ``max_chars`` is how
     much visible text the environment reads (the rest is cut, so generating it is wasted).
     ``attempt`` counts the partner guard's requests for a new sample of the same turn (0 first).
+    ``role`` is the seat's name in the game; ``label`` its game role and ``team`` its team (empty outside team
+    games), by which a model with one adapter per role or team picks the seat's.
     """
 
     episode_id: str
@@ -41,6 +43,8 @@ class Request:
     choices: list[str] | None = None
     max_chars: int | None = None
     attempt: int = 0
+    label: str = ""
+    team: str = ""
 
     @property
     def observation(self) -> list[Message]:

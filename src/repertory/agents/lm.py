@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
+from repertory.envs.roles import RoleAdapters
 from repertory.generation import Backend, SamplingParams, make_backend
 from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, Stream, TokenTrie
 from repertory.models import EMBEDDED, load_model
@@ -50,11 +51,15 @@ class LMAgent:
         seed: int = 0,
         policy_id: str = "base",
         adapter: str | None = LIVE_ADAPTER,
+        roles: RoleAdapters | None = None,
     ):
         """``adapter`` picks the policy version on a LoRA model: the live adapter (default; on a model without
-        LoRA, the model itself), another named adapter (a frozen snapshot) or None (the base, adapters off)."""
+        LoRA, the model itself), another named adapter (a frozen snapshot) or None (the base, adapters off).
+        ``roles`` instead gives each seat the adapter of its role or team (``model.adapters``), all seats still in
+        one batched call."""
         self.backend = backend
         self.adapter = adapter
+        self.roles = roles
         self.name = name
         self.params = params or SamplingParams()
         self.constrained = constrained
@@ -96,7 +101,7 @@ class LMAgent:
         """Answer every request in one batched generation call."""
         rows = self._rows(requests)
         prompts, seeds, constraints, keys, enough = (list(x) for x in zip(*rows)) if rows else ([],) * 5
-        adapters = None if self.adapter == LIVE_ADAPTER else [self.adapter] * len(requests)
+        adapters = [self._adapter(r) for r in requests] if self.roles or self.adapter != LIVE_ADAPTER else None
         generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
         return [self._response(prompt, g) for prompt, g in zip(prompts, generations)]
 
@@ -105,7 +110,12 @@ class LMAgent:
         if self._stream is None:
             self._stream = self.backend.stream(self.params, SYNCED if self.adapter == LIVE_ADAPTER else self.adapter)
         for request, (prompt, *row) in zip(requests, self._rows(requests)):
-            self._queued[self._stream.add(prompt, *row)] = (request, prompt)
+            adapter = self._adapter(request) if self.roles is not None else SYNCED
+            self._queued[self._stream.add(prompt, *row, adapter)] = (request, prompt)
+
+    def _adapter(self, request: Request) -> str | None:
+        """The adapter that samples ``request``: its seat's role or team adapter, else the agent's own."""
+        return self.roles.adapter(request.label, request.team) if self.roles is not None else self.adapter
 
     @property
     def busy(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, RemoteAgent, ScriptAgent, agent_names
 from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
+from repertory.envs.roles import RoleAdapters
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import load_policy
@@ -99,7 +100,9 @@ def trained_policy(path: str, options: LMOptions, name: str | None = None, polic
     loaded = load_policy(checkpoint, config, options.device)
     backend = make_backend(config.rollout.backend, loaded, **config.rollout.engine_args)
     agent_id = policy_id or f"snapshot@{int(checkpoint.name)}"
-    return LMAgent(backend, name or loaded.name, sampling(options), options.constrained, options.seed, agent_id)
+    roles = RoleAdapters.of(config.rollout.env, config.model.adapters)  # each seat its role's adapter
+    params = sampling(options)
+    return LMAgent(backend, name or loaded.name, params, options.constrained, options.seed, agent_id, roles=roles)
 
 
 def language_model(model: str, options: LMOptions, name: str | None = None, policy_id: str = "base") -> LMAgent:

@@ -49,6 +49,7 @@ from repertory.config.sections import (
     _Section,
 )
 from repertory.envs import env_class, make
+from repertory.envs.roles import RoleAdapters
 from repertory.types import RepertoryError
 
 
@@ -122,6 +123,28 @@ class TrainConfig(_Section):
         for what, present in unsupported.items():
             if present:
                 raise ValueError(f"rollout.max_staleness {self.rollout.max_staleness} does not support {what}")
+        return self
+
+    @model_validator(mode="after")
+    def _role_adapters(self) -> TrainConfig:
+        mode = self.model.adapters
+        if mode == "shared":
+            return self
+        try:
+            RoleAdapters.of(self.rollout.env, mode)
+        except RepertoryError as exc:
+            raise ValueError(str(exc)) from None
+        unsupported = {
+            "full fine-tuning (model.lora.enabled false): the adapters are LoRA adapters": not self.model.lora.enabled,
+            f"method kind {self.method.kind} (a round method)": self.round_based,
+            f"rollout.backend {self.rollout.backend} (per-row adapters run on hf)": self.rollout.backend != "hf",
+            "rollout.workers (the workers copy one adapter)": bool(self.rollout.workers),
+            "rollout.max_staleness (the pipeline publishes one adapter)": bool(self.rollout.max_staleness),
+            "rollout.opponent pool (its snapshots are of one adapter)": self.rollout.opponent == "pool",
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"model.adapters {mode} does not support {what} yet")
         return self
 
     @model_validator(mode="after")

@@ -74,6 +74,7 @@ class TokenTrie:
         return root
 
 
+Enough = Callable[[str], bool] | None
 SYNCED = object()  # a row without an adapter choice: the synced policy as it is (under LoRA, its active adapter)
 
 
@@ -106,7 +107,8 @@ class TokenizedChoices:
 
 class Stream(Protocol):
     """Rows that join a running batch: ``add`` queues one and returns its ticket; ``step`` advances the batch and
-    returns the rows that finished, by ticket; ``busy`` while any is queued or in flight."""
+    returns the rows that finished, by ticket; ``busy`` while any is queued or in flight. A row's ``adapter``
+    (as in ``generate``) overrides the stream's; SYNCED keeps it."""
 
     @property
     def busy(self) -> bool: ...
@@ -118,6 +120,7 @@ class Stream(Protocol):
         constraint: TokenTrie | None = None,
         key: object = None,
         enough: Callable[[str], bool] | None = None,
+        adapter: object = SYNCED,
     ) -> int: ...
 
     def step(self) -> list[tuple[int, Generation]]: ...
@@ -128,7 +131,7 @@ class CallStream:
 
     def __init__(self, backend: Backend, params: SamplingParams, adapter: object = SYNCED):
         self.backend, self.params, self.adapter = backend, params, adapter
-        self._queued: list[tuple[int, Sequence[int], int, TokenTrie | None, object, Callable[[str], bool] | None]] = []
+        self._queued: list[tuple[int, Sequence[int], int, TokenTrie | None, object, Enough, object]] = []
         self._tickets = 0
 
     @property
@@ -142,17 +145,19 @@ class CallStream:
         constraint: TokenTrie | None = None,
         key: object = None,
         enough: Callable[[str], bool] | None = None,
+        adapter: object = SYNCED,
     ) -> int:
         self._tickets += 1
-        self._queued.append((self._tickets, prompt, seed, constraint, key, enough))
+        chosen = self.adapter if adapter is SYNCED else adapter
+        self._queued.append((self._tickets, prompt, seed, constraint, key, enough, chosen))
         return self._tickets
 
     def step(self) -> list[tuple[int, Generation]]:
         rows, self._queued = self._queued, []
         if not rows:
             return []
-        tickets, prompts, seeds, constraints, keys, enough = (list(x) for x in zip(*rows))
-        adapters = None if self.adapter is SYNCED else [self.adapter] * len(rows)
+        tickets, prompts, seeds, constraints, keys, enough, chosen = (list(x) for x in zip(*rows))
+        adapters = None if all(a is SYNCED for a in chosen) else chosen
         generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
         return list(zip(tickets, generations))
 
@@ -207,7 +212,8 @@ class Backend(Protocol):
     ``enough[i](text)``, sampled by the policy version ``adapters[i]`` names; each token's log-prob is
     log softmax(logits / T) over the full vocabulary at the sampling temperature. Without ``adapters`` every
     row samples the synced policy as it is (under LoRA, its live adapter); with them, a str names a LoRA
-    adapter of the synced PEFT model (``LoadedModel.peft``) and None its base with the adapters off.
+    adapter of the synced PEFT model (``LoadedModel.peft``), None its base with the adapters off and SYNCED the
+    synced policy as it is; one call may mix them (hf: in each forward pass, every row through its own adapter).
     ``stream`` is the same sampling for rows that arrive while others decode (continuous batching: the rollout
     engine sends a seat's next request as soon as its episode steps), with the same per-row guarantees.
     ``sync`` makes the engine sample from the learner's current weights after an update (and wakes an

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from repertory.generation.core import (
 )
 from repertory.generation.kvcache import batch_cache, left_pad
 from repertory.models import LoadedModel, kv_bytes_per_token
+from repertory.models.adapters import BASE_ROW, per_row_adapters
 from repertory.models.linear import PRECISIONS, free_reduced_copies, sampling_precision
 from repertory.types import RepertoryError
 
@@ -85,6 +86,7 @@ class _Row:
     finish: str = "length"
     chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass (none once done)
     done: bool = False
+    adapter: object = SYNCED  # the policy version that samples it (see ``HFBackend.generate``)
 
     def generation(self) -> Generation:
         return Generation(self.tokens, self.logps, self.finish)
@@ -160,39 +162,36 @@ class HFBackend(TokenizedChoices):
         constraints = list(constraints) if constraints is not None else [None] * len(prompts)
         keys = list(cache_keys) if cache_keys is not None else [None] * len(prompts)
         enough = list(enough) if enough is not None else [None] * len(prompts)
-        groups: dict[object, list[int]] = {}
-        for i in range(len(prompts)):
-            groups.setdefault(adapters[i] if adapters is not None else SYNCED, []).append(i)
+        chosen = list(adapters) if adapters is not None else [SYNCED] * len(prompts)
         out: list[Generation | None] = [None] * len(prompts)
-        for adapter, rows in groups.items():
-            stream = self.stream(params, adapter)
-            index = {
-                stream.add(prompts[i], seeds[i], constraints[i], keys[i], enough[i]): i
-                for i in sorted(rows, key=lambda i: len(prompts[i]))
-            }
-            while stream.busy:
-                for ticket, generation in stream.step():
-                    out[index[ticket]] = generation
+        stream = self.stream(params)
+        index = {
+            stream.add(prompts[i], seeds[i], constraints[i], keys[i], enough[i], chosen[i]): i
+            for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        }
+        while stream.busy:
+            for ticket, generation in stream.step():
+                out[index[ticket]] = generation
         return out  # type: ignore[return-value]
 
-    @contextlib.contextmanager
-    def _sampling_with(self, adapter: object) -> Iterator[None]:
-        """The PEFT model's adapter state for one group of rows (restored afterwards)."""
-        if adapter is SYNCED:
-            yield
-            return
+    def _sampling_with(self, adapters: Sequence[object]) -> contextlib.AbstractContextManager:
+        """The adapter state of one forward pass whose row i is sampled by the version ``adapters[i]`` names:
+        the model as synced when every row asks for that, the base when every row asks for it, else each row
+        through its own adapter in the same pass (the active one for SYNCED). Adapters are never switched, so
+        the learner's trainable adapters stay trainable."""
+        synced = any(a is SYNCED for a in adapters)
+        if synced and self.peft is not None and len(self.peft.active_adapters) > 1:
+            raise ValueError(f"adapters {self.peft.active_adapters} are all active (one per role): name one per row")
+        if all(a is SYNCED for a in adapters):
+            return contextlib.nullcontext()
         if self.peft is None:
-            raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
-        if adapter is None:
-            with self.peft.disable_adapter():
-                yield
-            return
+            named = next(a for a in adapters if a is not SYNCED)
+            raise ValueError(f"adapter {named!r} requested from a model without LoRA adapters")
+        if all(a is None for a in adapters):
+            return self.peft.disable_adapter()
         active = self.peft.active_adapter
-        self.peft.set_adapter(adapter, inference_mode=True)
-        try:
-            yield
-        finally:
-            self.peft.set_adapter(active)
+        names = [active if a is SYNCED else BASE_ROW if a is None else a for a in adapters]
+        return per_row_adapters(self.peft, names)  # type: ignore[arg-type]
 
     def _reserve(self, stream: DecodeStream, tokens: int) -> None:
         """Record what ``stream``'s rows in flight may fill, and evict kept prefixes beyond what is left."""
@@ -311,14 +310,16 @@ class HFBackend(TokenizedChoices):
         positions: torch.Tensor,
         cache: DynamicCache,
         keep: int = 1,
+        adapters: Sequence[object] = (),
     ) -> tuple[torch.Tensor, DynamicCache]:
-        """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache."""
+        """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache; row i
+        sampled by the version ``adapters[i]`` names (none given: the synced policy)."""
         # the pass's workload without padding, which the rollout benchmark's roofline prices
         new = mask[:, -input_ids.shape[1] :].sum(1)
         context = mask.sum(1) - new
         attended = new * context + new * (new + 1) // 2
         self.stats.record_forward(len(input_ids), *torch.stack([new.sum(), context.sum(), attended.sum()]).tolist())
-        with sampling_precision(self.precision):
+        with sampling_precision(self.precision), self._sampling_with(adapters):
             output = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -412,8 +413,10 @@ class DecodeStream:
         constraint: TokenTrie | None = None,
         key: object = None,
         enough: Callable[[str], bool] | None = None,
+        adapter: object = SYNCED,
     ) -> int:
-        """Queue a row (see ``HFBackend.generate`` for the arguments); its ticket names it in ``step``'s results."""
+        """Queue a row (see ``HFBackend.generate`` for the arguments; ``adapter`` SYNCED: the stream's); its
+        ticket names it in ``step``'s results."""
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
         need = len(prompt) + budget
         if need > self.backend.budget_tokens:
@@ -424,22 +427,22 @@ class DecodeStream:
             )
         self._tickets += 1
         rng = torch.Generator().manual_seed(seed % 2**63)
-        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough, budget))
+        chosen = self.adapter if adapter is SYNCED else adapter
+        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough, budget, adapter=chosen))
         return self._tickets
 
     @torch.no_grad()
     def step(self) -> list[tuple[int, Generation]]:
         """Admit what fits, sample one token per row in flight, feed it; the rows that finished."""
-        with self.backend._sampling_with(self.adapter):
-            self._admit()
-            if not self._live:
-                return []
-            finished = self._sample()
-            if self._live:
-                self._decode()
-            elif not self.waiting:  # idle: the batch's memory goes back to the budget
-                self.rows, self.cache = [], None
-                self.backend._reserve(self, 0)
+        self._admit()
+        if not self._live:
+            return []
+        finished = self._sample()
+        if self._live:
+            self._decode()
+        elif not self.waiting:  # idle: the batch's memory goes back to the budget
+            self.rows, self.cache = [], None
+            self.backend._reserve(self, 0)
         return finished
 
     def _need(self, rows: Sequence[_Row]) -> int:
@@ -491,9 +494,9 @@ class DecodeStream:
         for row, hit in zip(rows, reused):
             if hit:  # the row carries these keys and values now; its finish keeps the longer chat
                 backend._forget(row.key)
-        distinct: dict[tuple[tuple[int, ...], int], int] = {}
+        distinct: dict[tuple[tuple[int, ...], int, object], int] = {}
         source = [
-            distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0), i)
+            distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0, r.adapter), i)
             for i, (r, u) in enumerate(zip(rows, reused))
         ]
         encoded = sorted(set(source))
@@ -511,7 +514,9 @@ class DecodeStream:
         backend.stats.prompt_tokens += sum(len(r.prompt) for r in rows)
         backend.stats.reused_prompt_tokens += sum(len(u[0]) for u in reused if u)
         backend.stats.shared_prompt_tokens += sum(len(rows[i].prompt) for i in range(len(rows)) if source[i] != i)
-        logits, cache = backend._forward(input_ids.to(device), mask, positions, cache)
+        logits, cache = backend._forward(
+            input_ids.to(device), mask, positions, cache, adapters=[rows[i].adapter for i in encoded]
+        )
         logits, last_pos = logits[:, -1], positions[:, -1]
         if len(encoded) < len(rows):
             slot = {i: row for row, i in enumerate(encoded)}
@@ -575,9 +580,10 @@ class DecodeStream:
             chunk_ids[i, : len(row.chunk)] = torch.tensor(row.chunk, dtype=torch.long)
             chunk_mask[i, : len(row.chunk)] = 1
         self.mask = torch.cat([self.mask, chunk_mask.to(device)], dim=1)
-        steps = torch.arange(1, width + 1, device=device).unsqueeze(0)
+        positions = self.last_pos.unsqueeze(1) + torch.arange(1, width + 1, device=device).unsqueeze(0)
+        adapters = [r.adapter for r in rows]
         logits, self.cache = self.backend._forward(
-            chunk_ids.to(device), self.mask, self.last_pos.unsqueeze(1) + steps, self.cache, keep=width
+            chunk_ids.to(device), self.mask, positions, self.cache, width, adapters
         )
         lengths = torch.tensor([len(r.chunk) for r in rows], device=device)
         self.last_pos = self.last_pos + lengths

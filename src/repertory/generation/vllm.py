@@ -62,6 +62,7 @@ from repertory.generation.core import (
     stop_token_ids,
 )
 from repertory.models import LoadedModel, base_weights, save_checkpoint
+from repertory.models.adapters import merged_weights
 from repertory.types import RepertoryError
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the row processor shares this process's registry
@@ -332,7 +333,7 @@ class VLLMBackend(TokenizedChoices):
             weights = base_weights(self.loaded)
         else:
             if tag not in self._merged:
-                self._merged[tag] = _merged_weights(self.loaded, name)
+                self._merged[tag] = merged_weights(self.loaded, name)
                 while len(self._merged) > MERGED_VERSIONS:
                     self._merged.popitem(last=False)
             self._merged.move_to_end(tag)
@@ -438,20 +439,6 @@ def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     loaded.model.save_pretrained(str(directory), state_dict=base_weights(loaded))
     loaded.tokenizer.save_pretrained(str(directory))
-
-
-def _merged_weights(loaded: LoadedModel, adapter: str) -> dict[str, torch.Tensor]:
-    """The weights under the adapters with ``adapter`` merged in, by PEFT's own delta (W + scale * B @ A) and
-    without touching the learner's module; only the adapted layers are new tensors."""
-    from peft.tuners.lora import LoraLayer
-
-    weights = base_weights(loaded)
-    with torch.no_grad():
-        for name, module in loaded.model.named_modules():
-            if isinstance(module, LoraLayer) and adapter in module.scaling:
-                key = f"{name}.weight"
-                weights[key] = weights[key] + module.get_delta_weight(adapter)
-    return weights
 
 
 @contextmanager

@@ -45,23 +45,22 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """A linear product whose forward and both gradient products run through oneDNN."""
+    """A linear product of a 2-D input whose forward and both gradient products run through oneDNN. Callers
+    reshape outside it: a view made inside a custom Function may not be modified in place (PEFT's mixed-adapter
+    LoRA adds each adapter's rows into the base layer's output in place)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])
         grad_x = _onednn(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = _onednn(flat.t(), x.reshape(-1, x.shape[-1]).t(), None)
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w = _onednn(grad.t(), x.t(), None) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
 
@@ -71,7 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.nn.functional.linear(x, weight, bias)
     tracked = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and tracked:
-        return _OneDNNLinear.apply(x, weight, bias)
+        out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     return _onednn(x, weight, bias)
 
 

@@ -72,6 +72,11 @@ def load_served_policy(
     if spec != "base" and is_run_or_checkpoint(path):
         checkpoint, config = resolve_checkpoint(path)
         run = RunDir.of_checkpoint(checkpoint)
+        if config.model.adapters != "shared":
+            raise RepertoryError(
+                f"serve: {spec} keeps one adapter per {config.model.adapters.removeprefix('per_')} and a chat names no "
+                f"seat; export it (repertory export {spec} --out DIR) and serve one of them as model:DIR/<adapter>"
+            )
         engine = make_backend(backend or config.rollout.backend, load_policy(checkpoint, config, device))
         step = int(checkpoint.name)
         return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}", run.root)

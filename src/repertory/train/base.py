@@ -25,6 +25,7 @@ from repertory.agents.lm import LIVE_ADAPTER, LMAgent
 from repertory.agents.resolve import LivePolicy, make_agent
 from repertory.config import TrainConfig
 from repertory.envs import env_class, load_kernels, make
+from repertory.envs.roles import RoleAdapters
 from repertory.eval import evaluate
 from repertory.eval.scores import judged_lines, team_lines
 from repertory.generation import SamplingParams, make_backend, samples_exactly
@@ -56,6 +57,7 @@ class Trainer:
         self.config = config
         self.run_dir = run_dir
         self.env = env_class(config.rollout.env)
+        self.roles = RoleAdapters.of(config.rollout.env, config.model.adapters)  # None: one shared adapter
         loaded = loaded or load_model(config.model.name, config.model.device)
         # The method's own modules (a critic on a copy of the initial model) are built before the learner wraps it.
         self.method = build_method(config.method, config.seed, loaded, config.model.device)
@@ -70,12 +72,15 @@ class Trainer:
             # played ahead, samples come from an older policy: auto corrects them
             exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args)
             and not config.rollout.max_staleness,
+            roles=self.roles,
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
         sampler_seed = derive(config.seed, "sampler")
-        self.live = LMAgent(self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live")
+        self.live = LMAgent(
+            self.backend, "live", params, config.rollout.constrained, sampler_seed, policy_id="live", roles=self.roles
+        )
         self.judge = make_judge(config.judge, config.model.device)
         # Rollouts are judged only where the reward needs it; evaluations report the judge's scores regardless.
         self.rollout_judge = self.judge if make(config.rollout.env, **config.rollout.env_options).needs_judge else None

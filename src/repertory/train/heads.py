@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +34,23 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
 
-def with_lora(model: nn.Module, lora: AdapterConfig, seed: int) -> nn.Module:
+def with_lora(model: nn.Module, lora: AdapterConfig, seed: int, names: Sequence[str] = ("default",)) -> nn.Module:
+    """``model`` wrapped in PEFT with one trainable LoRA adapter per name (the base frozen), the first drawn from
+    ``seed``, each further one from a seed of its own; every adapter starts as the base (B = 0)."""
     for p in model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
     config = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
     )
-    peft = get_peft_model(model, config)
+    peft = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        torch.manual_seed(derive(seed, "adapter", name))
+        peft.add_adapter(name, config)
+    if len(names) > 1:
+        # PEFT keeps only active adapters trainable (and re-applies that whenever adapters are re-enabled); every
+        # one is active here, and each row picks its own (models.adapters.per_row_adapters)
+        peft.base_model.set_adapter(list(names))
     use_fast_linears(peft)  # the adapters' own layers
     return peft
 

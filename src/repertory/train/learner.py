@@ -25,12 +25,15 @@ from torch import nn
 from repertory.agents.lm import LIVE_ADAPTER
 from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.envs import env_class
+from repertory.envs.roles import RoleAdapters
 from repertory.models import LoadedModel
+from repertory.models.adapters import per_row_adapters
 from repertory.models.packing import PackedSequence, model_inputs, token_batches
 from repertory.train import distributed
 from repertory.train.batch import Batch, Experience, Sample
 from repertory.train.heads import ValueModel, with_lora
-from repertory.types import derive
+from repertory.types import RepertoryError, derive
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REFERENCE_ADAPTER = "reference"
@@ -58,9 +61,11 @@ class Learner:
         temperature: float = 1.0,
         seed: int = 0,
         exact_sampler: bool = True,
+        roles: RoleAdapters | None = None,
     ):
         """``exact_sampler``: the batches' log-probs come from this very float32 module (the hf backend without
-        reduced precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is tis."""
+        reduced precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is tis. ``roles``:
+        one LoRA adapter per role or team (``model.adapters``), each trained on its own seats' turns only."""
         self.algo, self.critic_config, self.seed = algo, critic, seed
         auto = "none" if exact_sampler else "tis"
         self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
@@ -72,8 +77,12 @@ class Learner:
         hidden = base.config.hidden_size
         critic_base = copy.deepcopy(base) if needs_critic and not critic.share_backbone else None
         self.reference: nn.Module | None = None
+        self.roles = roles
+        if roles is not None and not lora.enabled:
+            raise RepertoryError("model.adapters per_role or per_team trains LoRA adapters: set model.lora.enabled")
+        self.adapters = roles.adapters if roles is not None else [LIVE_ADAPTER]
         if lora.enabled:
-            self.peft = with_lora(base, lora, derive(seed, "lora", "policy"))
+            self.peft = with_lora(base, lora, derive(seed, "lora", "policy"), self.adapters)
         else:
             self.peft = None
             self.reference = copy.deepcopy(base).requires_grad_(False)
@@ -129,8 +138,10 @@ class Learner:
         values: bool = False,
         entropy: bool = False,
         reference: bool = False,
+        adapters: list[str] | None = None,
     ) -> _Scored:
-        """Log-probs (policy or reference), values and entropies of every span's response tokens."""
+        """Log-probs (policy or reference), values and entropies of every span's response tokens; with
+        ``adapters``, sequence i through the policy's adapter ``adapters[i]``."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rows, cols, targets, owners = [], [], [], []
         for b, seq in enumerate(sequences):
@@ -156,6 +167,9 @@ class Learner:
                 self.peft.set_adapter(LIVE_ADAPTER)
         elif reference and self.peft is not None:
             with self.peft.disable_adapter():
+                hidden = model.get_decoder()(**inputs).last_hidden_state
+        elif adapters is not None:
+            with per_row_adapters(self.peft, adapters):
                 hidden = model.get_decoder()(**inputs).last_hidden_state
         else:
             hidden = model.get_decoder()(**inputs).last_hidden_state
@@ -192,7 +206,20 @@ class Learner:
         set_peft_model_state_dict(self.peft, live, adapter_name=REFERENCE_ADAPTER)
         self.peft.set_adapter(LIVE_ADAPTER)
 
+    def _adapters_of(self, micro: list[PackedSequence], batch: Batch) -> list[str] | None:
+        """Each sequence's adapter (its seat's role or team) under per-role adapters; None with one adapter."""
+        if self.roles is None:
+            return None
+        out = []
+        for sequence in micro:
+            ref = batch.trajectories[batch.samples[sequence.spans[0][0]].trajectory]
+            episode = ref.episode
+            out.append(self.roles.of_seat(env_class(episode.env), episode.kernel.data, ref.seat_index))
+        return out
+
     def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
+        if self.roles is not None:
+            raise RepertoryError("model.adapters per_role/per_team trains online methods only (no seat to route by)")
         samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
         sequences = [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
         return samples, self._micro_batches(sequences)
@@ -241,7 +268,7 @@ class Learner:
         logp_ref: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
         for micro in self._micro_batches(batch.sequences):
-            scored = self._forward(micro, batch.samples, values=True)
+            scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
             logp.update({i: t.detach() for i, t in scored.logp.items()})
             values.update({i: t.detach() for i, t in scored.values.items()})
             ref = self._forward(micro, batch.samples, reference=True)
@@ -325,7 +352,8 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         # data-parallel: each process takes its share of the micro-batches; the summed gradients are the whole's
         for micro in self._micro_batches(mini)[distributed.rank() :: distributed.world_size()]:
-            scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True)
+            adapters = self._adapters_of(micro, batch)
+            scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
             idx = [index for seq in micro for index, _ in seq.spans]
             mine = [batch.experience[i] for i in idx]
             w = torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx])
@@ -370,8 +398,8 @@ class Learner:
     def save(self, directory: Path) -> None:
         """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``."""
         directory.mkdir(parents=True, exist_ok=True)
-        if self.peft is not None:
-            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=[LIVE_ADAPTER])
+        if self.peft is not None:  # the live adapter in policy/, any other (per role) in policy/<name>/
+            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=self.adapters)
         else:
             self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
             self.tokenizer.save_pretrained(str(directory / "policy"))
@@ -390,7 +418,10 @@ class Learner:
         """Restore everything :meth:`save` wrote."""
         policy = directory / "policy"
         if self.peft is not None:
-            set_peft_model_state_dict(self.peft, load_file(str(policy / "adapter_model.safetensors")))
+            for name in self.adapters:
+                folder = policy if name == LIVE_ADAPTER else policy / name
+                tensors = load_file(str(folder / "adapter_model.safetensors"))
+                set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
         else:
             self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
         if self.value is not None:
