@@ -99,7 +99,8 @@ def train(
         trainer = start_run(config)
         c = trainer.config
         episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
-        model = f"{c.model.name}{' + LoRA' if c.model.lora.enabled else ''}"
+        lora = {"shared": " + LoRA", "per_role": " + a LoRA per role", "per_team": " + a LoRA per team"}
+        model = f"{c.model.name}{lora[c.model.adapters] if c.model.lora.enabled else ''}"
         if c.round_based:
             show(
                 f"training {c.method_name} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "

@@ -217,6 +217,16 @@ class Learner:
             out.append(self.roles.of_seat(env_class(episode.env), episode.kernel.data, ref.seat_index))
         return out
 
+    def _drop_absent_roles(self, mini: list[PackedSequence], batch: Batch) -> None:
+        """Clear the gradients of role adapters without a sequence in the mini-batch, so AdamW leaves them alone
+        as it does in one process (data-parallel summing gives every parameter a gradient, zeros included)."""
+        if self.roles is None:
+            return
+        present = set(self._adapters_of(mini, batch) or [])
+        for key, param in self.peft.named_parameters():
+            if ".lora_" in key and not any(f".{name}." in key for name in present):
+                param.grad = None
+
     def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
         if self.roles is not None:
             raise RepertoryError("model.adapters per_role/per_team trains online methods only (no seat to route by)")
@@ -384,6 +394,7 @@ class Learner:
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
         distributed.sum_gradients(self.trainable_parameters())
+        self._drop_absent_roles(mini, batch)
         sums = distributed.sum_values(sums)
         if len(self.optimizer.param_groups) > 1:
             # actor and critic are clipped separately, as separate optimisers would (docs/algorithms.md 2.7)
