@@ -183,6 +183,27 @@ def test_an_update_on_one_roles_turns_leaves_the_other_roles_adapter_unchanged(t
     assert any(".lora_B.role-proposer." in k for k in moved)
 
 
+def test_a_role_whose_turns_all_have_zero_advantage_is_not_stepped_by_the_other_roles_update(tmp_path, tokenizer):
+    trainer = start_run(_config(tmp_path, "flat-role", "algo.mini_batches=1"), tiny_model(tokenizer, seed=2))
+    learner = trainer.learner
+    batch = collect(trainer.play(trainer.specs(0)))  # self-play: both roles' turns
+    seat = {i: batch.trajectories[s.trajectory].seat_index for i, s in enumerate(batch.samples)}
+    assert set(seat.values()) == {0, 1}
+    before = {k: p.detach().clone() for k, p in learner.peft.named_parameters() if ".lora_" in k}
+    learner.score(batch)
+    # the responder's turns carry no advantage: only the KL term's float noise reaches its adapter
+    advantage = {
+        i: torch.full((s.n_tokens,), 1.0 - 2 * (i % 2) if seat[i] == 0 else 0.0)
+        for i, s in enumerate(batch.samples)
+        if s.trained
+    }
+    batch.assign(advantage)
+    learner.update(batch, 0)
+    after = dict(learner.peft.named_parameters())
+    moved = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    assert moved and all(".role-proposer." in k for k in moved)
+
+
 def test_a_per_role_run_trains_every_role_resumes_exactly_and_exports_a_model_per_role(tmp_path, tokenizer):
     straight = start_run(_config(tmp_path, "straight"), tiny_model(tokenizer, seed=2))
     run_dir = straight.fit()
@@ -192,6 +213,8 @@ def test_a_per_role_run_trains_every_role_resumes_exactly_and_exports_a_model_pe
         assert any(v.any() for k, v in trained[adapter].items() if "lora_B" in k), adapter
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "eval/outcome" in lines[0] and "final/outcome" in lines[-1]
+    # the learner reads every seat through the adapter that sampled it: its log-probs are the sampler's
+    assert all(line["offpolicy/max_gap"] <= 1e-4 for line in lines)
 
     class Stop(Exception):
         pass
@@ -227,9 +250,14 @@ def test_a_per_role_checkpoint_plays_exports_and_is_refused_by_serve(tmp_path, t
     agent = trained_policy(str(run_dir), LMOptions(constrained=True))
     assert agent.roles is not None and agent.roles.adapters == ROLE_ADAPTERS
     assert sorted(agent.backend.loaded.peft.peft_config) == ROLE_ADAPTERS
-    request = Request("e", 1, "responder", [Message("user", "Accept?")], {}, label="responder", choices=["accept"])
+    choices = ["<accept/>", "<reject/>"]
+    request = Request("e", 1, "responder", [Message("user", "Deal?")], {}, label="responder", choices=choices)
     assert agent._adapter(request) == "role-responder"
-    assert agent.act([request])[0].text == "accept"
+    answer = agent.act([request])[0]
+    prompt, seed, constraint, _, _ = agent._rows([request])[0]
+    for adapter, same in (("role-responder", True), ("role-proposer", False)):
+        direct = agent.backend.generate([prompt], agent.params, [seed], [constraint], adapters=[adapter])[0]
+        assert (direct.logp_sample == pytest.approx(answer.logp_sample, abs=1e-6)) == same, adapter
 
     exported = export_policy(run_dir, tmp_path / "export")
     assert json.loads((exported / "roles.json").read_text())["adapters"] == dict(

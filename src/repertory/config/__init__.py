@@ -141,6 +141,12 @@ class TrainConfig(_Section):
             "rollout.workers (the workers copy one adapter)": bool(self.rollout.workers),
             "rollout.max_staleness (the pipeline publishes one adapter)": bool(self.rollout.max_staleness),
             "rollout.opponent pool (its snapshots are of one adapter)": self.rollout.opponent == "pool",
+            "model.lora.dropout > 0 (the mixed-adapter pass draws dropout in an unordered set's order)": bool(
+                self.model.lora.dropout
+            ),
+            "adapters on lm_head or embed_tokens (the learner reads the head outside the per-row pass)": bool(
+                {"lm_head", "embed_tokens"} & set(self.model.lora.target_modules)
+            ),
         }
         for what, present in unsupported.items():
             if present:

@@ -1,7 +1,7 @@
 """Which seats share a policy when a model keeps one LoRA adapter per game role or team (``model.adapters``).
 
 :class:`RoleAdapters` names the adapters of a game and routes each seat to its own: by the seat's role label
-(``per_role``: buyer and seller; werewolf, seer, witch and villager) or by its team (``per_team``: village and
+(``per_role``: vendor and customer; werewolf, seer, witch and villager) or by its team (``per_team``: village and
 wolves). The models layer runs the adapters (:mod:`repertory.models.adapters`).
 """
 

@@ -52,6 +52,7 @@ def _role_policy(policy: Path, adapters: list[str], config: TrainConfig, device:
     peft = PeftModel.from_pretrained(loaded.model, str(policy / adapters[0]), adapter_name=adapters[0])
     for adapter in adapters[1:]:
         peft.load_adapter(str(policy / adapter), adapter_name=adapter)
+    peft.base_model.set_adapter(adapters, inference_mode=True)  # all active: a row naming none is refused (hf)
     peft.eval()
     use_fast_linears(peft)
     return LoadedModel(loaded.model, loaded.tokenizer, name, peft)

@@ -217,12 +217,13 @@ class Learner:
             out.append(self.roles.of_seat(env_class(episode.env), episode.kernel.data, ref.seat_index))
         return out
 
-    def _drop_absent_roles(self, mini: list[PackedSequence], batch: Batch) -> None:
-        """Clear the gradients of role adapters without a sequence in the mini-batch, so AdamW leaves them alone
-        as it does in one process (data-parallel summing gives every parameter a gradient, zeros included)."""
+    def _drop_absent_roles(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
+        """Clear the gradients of role adapters without a sequence in the mini-batch, or ``idle`` ones, so AdamW
+        leaves them alone as it does in one process (data-parallel summing gives every parameter a gradient,
+        zeros included)."""
         if self.roles is None:
             return
-        present = set(self._adapters_of(mini, batch) or [])
+        present = set(self._adapters_of(mini, batch) or []) - idle
         for key, param in self.peft.named_parameters():
             if ".lora_" in key and not any(f".{name}." in key for name in present):
                 param.grad = None
@@ -316,6 +317,7 @@ class Learner:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
         totals: dict[str, float] = {}
         steps = skipped = 0
+        moved: set[str] = set()  # role adapters stepped so far (one adapter per role)
         for epoch in range(epochs or algo.ppo_epochs):
             order = list(range(len(batch.sequences)))
             random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
@@ -325,7 +327,9 @@ class Learner:
                 if steps == 0 and self._flat(mini, batch):
                     skipped += 1
                     continue
-                stats = self._step(mini, batch)
+                idle = self._idle_roles(mini, batch, moved)
+                stats = self._step(mini, batch, idle)
+                moved |= set(self._adapters_of(mini, batch) or []) - idle
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
@@ -349,7 +353,18 @@ class Learner:
             return True
         return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=FLAT_LOGP_TOL) for x in mine)
 
-    def _step(self, mini: list[PackedSequence], batch: Batch) -> dict[str, float]:
+    def _idle_roles(self, mini: list[PackedSequence], batch: Batch, moved: set[str]) -> set[str]:
+        """The role adapters that :meth:`_flat` would skip on their own: not stepped yet, and flat on all their
+        sequences in the mini-batch (another role's advantages must not turn their float noise into a step)."""
+        adapters = self._adapters_of(mini, batch)
+        if adapters is None:
+            return set()
+        groups: dict[str, list[PackedSequence]] = {}
+        for name, sequence in zip(adapters, mini):
+            groups.setdefault(name, []).append(sequence)
+        return {name for name, group in groups.items() if name not in moved and self._flat(group, batch)}
+
+    def _step(self, mini: list[PackedSequence], batch: Batch, idle: set[str] | None = None) -> dict[str, float]:
         algo = self.algo
         order = [index for seq in mini for index, _ in seq.spans]
         lengths = [batch.samples[i].n_tokens for i in order]
@@ -394,7 +409,7 @@ class Learner:
                 sums["entropy"] += float((w * ent).sum())
                 sums["clip_frac"] += float((w * clipped).sum())
         distributed.sum_gradients(self.trainable_parameters())
-        self._drop_absent_roles(mini, batch)
+        self._drop_absent_roles(mini, batch, idle or set())
         sums = distributed.sum_values(sums)
         if len(self.optimizer.param_groups) > 1:
             # actor and critic are clipped separately, as separate optimisers would (docs/algorithms.md 2.7)
