@@ -9,15 +9,7 @@
 #     --platform manylinux_2_17_x86_64 -d .gpu/wheels pydantic pydantic-core annotated-types typing-inspection
 # then run `bash benchmarks/gpu.sh` there with `.gpu` carried. vLLM's GPU wheel is larger than what a call
 # carries; on a machine that has vllm installed every step below also runs the vllm engine.
-set -uo pipefail
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl &&
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source benchmarks/gpu_env.sh
 nvidia-smi >"$OUT/summary.txt" 2>&1
 engines=hf
 $PY -c "import vllm" 2>/dev/null && engines="hf vllm"

@@ -5,15 +5,7 @@
 #   1. asynchronous rollouts: benchmarks/async_rollouts.py (staleness 0 against 1, same samples) on CUDA;
 #   2. one adapter per role against one shared adapter: rollout and learner throughput of two iterations of
 #      Ultimatum self-play (constrained), every seat in one batched call either way.
-set -uo pipefail
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl &&
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source benchmarks/gpu_env.sh
 $PY benchmarks/gpu.py --tokenizer .gpu/tokenizer --save-model /tmp/random-135m >"$OUT/scale.log" 2>&1
 on_gpu=(--set model.name=/tmp/random-135m --set model.device=cuda --set rollout.kernels_per_iteration=16)
 
