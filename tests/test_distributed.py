@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def _train(tmp_path, model, name, *extra):
-    argv = [sys.executable, "-m", "repertory", "train", "--quiet", *extra]
+    argv = [sys.executable, "-m", "repertory", "train", "--quiet"]
     for key in (
         f"output_dir={tmp_path}",
         f"name={name}",
@@ -36,6 +36,7 @@ def _train(tmp_path, model, name, *extra):
         "algo.micro_batch_tokens=256",  # several micro-batches per step, shared between the processes
     ):
         argv += ["--set", key]
+    argv += extra  # after the defaults, so that an extra --set wins
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -71,3 +72,64 @@ def test_two_processes_train_what_one_process_trains(tmp_path):
     for k in adapters[0]:
         gap = (adapters[0][k] - adapters[1][k]).abs()
         assert float(gap.max()) < 5e-4 and float((gap > 1e-4).float().mean()) < 1e-3, k
+
+
+# the sharded learner (model.sharding fsdp)
+
+
+def _tensors(run, name, checkpoint=-1):
+    return load_file(str(RunDir(run).complete_checkpoints()[checkpoint] / "policy" / name))
+
+
+def _same_lines(a, b, unshared=()):
+    """Equal metrics lines; keys with an ``unshared`` prefix may be in one line only."""
+    lines = [[json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] for run in (a, b)]
+    assert len(lines[0]) == len(lines[1])
+    for x, y in zip(*lines):
+        assert {k for k in x if not k.startswith(unshared)} == {k for k in y if not k.startswith(unshared)}
+        for key in x.keys() & y.keys():
+            if not key.startswith(TIMING_PREFIXES):
+                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
+def _close(a, b, tolerance):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).abs().max()) < tolerance, k
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_sharded_learner_on_two_processes_trains_what_one_process_trains(tmp_path, lora):
+    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
+    extra = ["--set", f"model.lora.enabled={str(lora).lower()}"]
+    one, _ = _train(tmp_path, model, "one", *extra)
+    two, shown = _train(tmp_path, model, "two", *extra, "--set", "model.sharding=fsdp", "--gpus", "2")
+    assert shown.count("run: ") == 1
+    _same_lines(one, two)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    plain, sharded = _tensors(one, name), _tensors(two, name)
+    initial = load_file(str(model / "model.safetensors"))
+    moved = max(float((plain[k] - initial.get(k, 0 * plain[k])).abs().max()) for k in plain if "lora_A" not in k)
+    assert moved > 1e-3  # the policy learned (lr 1e-2): the agreement below is of real updates
+    _close(plain, sharded, 5e-4)  # as data-parallel training: summation order, amplified by AdamW (see above)
+    shards = RunDir(two).complete_checkpoints()[-1] / "optimizer"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path):
+    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
+    fsdp = ["--set", "model.sharding=fsdp"]
+    straight, _ = _train(tmp_path, model, "straight", *fsdp, "--gpus", "2")
+    half, _ = _train(tmp_path, model, "half", *fsdp, "--gpus", "2", "--set", "iterations=1")
+    argv = [sys.executable, "-m", "repertory", "train", "--quiet", "--resume", str(half), "--set", "iterations=2"]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        json.loads((RunDir(half).complete_checkpoints()[0] / "trainer_state.json").read_text())["iterations_done"] == 1
+    )
+    _same_lines(straight, half, unshared=("final/",))  # the first run's iteration 0 was its last
+    # the AdamW moments came back from the two shards: the resumed second update equals the uninterrupted one
+    _close(_tensors(straight, "adapter_model.safetensors"), _tensors(half, "adapter_model.safetensors"), 1e-6)
+    assert sorted(p.name for p in (RunDir(half).complete_checkpoints()[-1] / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp"
+    ]

@@ -175,12 +175,22 @@ class RunDir:
     def write_checkpoint(self, done: int, fill: Callable[[Path], None], keep: int) -> Path:
         """Write checkpoint ``done``: ``fill`` writes its files into a temporary directory, which is fsynced,
         marked complete and renamed into place; only the newest ``keep`` checkpoints stay."""
+        tmp = self.begin_checkpoint(done)
+        fill(tmp)
+        return self.finish_checkpoint(done, tmp, keep)
+
+    def begin_checkpoint(self, done: int) -> Path:
+        """The empty temporary directory checkpoint ``done`` is written into (several processes may write into
+        it before :meth:`finish_checkpoint`)."""
         self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        final = self.checkpoint(done)
         tmp = self.checkpoints_dir / f".tmp-{done:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        fill(tmp)
+        return tmp
+
+    def finish_checkpoint(self, done: int, tmp: Path, keep: int) -> Path:
+        """Mark the written ``tmp`` complete, fsync it and rename it into place as checkpoint ``done``; prune."""
+        final = self.checkpoint(done)
         (tmp / COMPLETE).write_text("")
         _fsync_tree(tmp)
         if final.exists():

@@ -154,6 +154,24 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sharding(self) -> TrainConfig:
+        if self.model.sharding == "none":
+            return self
+        unsupported = {
+            f"method kind {self.method.kind} (a round method)": self.round_based,
+            f"rollout.backend {self.rollout.backend} (its weight sync reads unsharded weights)": self.rollout.backend
+            != "hf",
+            f"model.adapters {self.model.adapters}": self.model.adapters != "shared",
+            "rollout.workers": bool(self.rollout.workers),
+            "rollout.max_staleness": bool(self.rollout.max_staleness),
+            "rollout.opponent pool (process 0 alone snapshots the policy)": self.rollout.opponent == "pool",
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"model.sharding fsdp does not support {what} yet")
+        return self
+
+    @model_validator(mode="after")
     def _warm_start_bot(self) -> TrainConfig:
         bots = list(env_class(self.rollout.env).bots)
         if self.warm_start is None:

@@ -48,6 +48,13 @@ class ModelConfig(_Section):
         "LoRA without dropout or adapters on lm_head, an online method, the hf backend, rollout.workers 0, "
         "max_staleness 0 and no pool opponent.",
     )
+    sharding: Literal["none", "fsdp"] = Field(
+        "none",
+        description="none: data-parallel processes (--gpus N) each hold the whole learner; fsdp: the weights, "
+        "gradients and AdamW moments of the update are sharded over them (FSDP2), the weights gathered again for "
+        "sampling; its checkpoints keep the optimizer as shards that resume on any process count. Needs an online "
+        "method, the hf backend, shared adapters, no rollout.workers, max_staleness or pool opponent.",
+    )
 
 
 class RolloutConfig(_Section):

@@ -69,6 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _ONEDNN:
         return torch.nn.functional.linear(x, weight, bias)
     tracked = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and tracked and x.dim() == 2:  # no view of the output (FSDP hooks outputs)
+        return _OneDNNLinear.apply(x, weight, bias)
     if torch.is_grad_enabled() and tracked:
         out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])

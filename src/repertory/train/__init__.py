@@ -105,13 +105,13 @@ def resume_run(
     distributed.initialise()
     run = RunDir.existing(run_dir)
     config = load_config(str(run.config), overrides)
-    distributed.barrier()  # every process read the config before process 0 rewrites it
-    if overrides and distributed.is_main():
-        run.config.write_text(dump_config(config))
     trainer = build(config, run, loaded)
     checkpoints = run.complete_checkpoints()
     if checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
+    distributed.barrier()  # every process read the config before process 0 rewrites it
+    if overrides and distributed.is_main():  # once the checkpoint took them: a refused resume changes nothing
+        run.config.write_text(dump_config(config))
     if distributed.is_main():
         run.truncate_after(trainer.iteration)
     distributed.barrier()

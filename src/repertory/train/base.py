@@ -73,6 +73,7 @@ class Trainer:
             exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args)
             and not config.rollout.max_staleness,
             roles=self.roles,
+            sharding=config.model.sharding,
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)
@@ -322,16 +323,36 @@ class Trainer:
 
     # checkpoints
 
-    def save_checkpoint(self, done: int) -> Path:
-        """Write checkpoint ``done`` (iterations completed) atomically; prune old ones."""
+    def save_checkpoint(self, done: int) -> Path | None:
+        """Write checkpoint ``done`` (iterations completed) atomically; prune old ones. Data-parallel, process 0
+        writes it; with a sharded learner every process writes its shards into process 0's temporary directory
+        (a run directory all of them reach). Returns the checkpoint's path (None in the other processes)."""
+        main = distributed.is_main()
+        if self.learner.sharded is None:
+            return (
+                self.run_dir.write_checkpoint(done, lambda tmp: self._fill(tmp, done), self.config.keep_checkpoints)
+                if main
+                else None
+            )
+        tmp = distributed.broadcast(self.run_dir.begin_checkpoint(done) if main else None)
+        self.learner.save(tmp)
+        distributed.barrier()
+        final = None
+        if main:
+            self.method.save(tmp)
+            self._fill_counters(tmp, done)
+            final = self.run_dir.finish_checkpoint(done, tmp, self.config.keep_checkpoints)
+        distributed.barrier()
+        return final
 
-        def fill(directory: Path) -> None:
-            self.save_state(directory)
-            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
-            state = {"iterations_done": done, "policy_version": self.backend.version}
-            (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    def _fill(self, directory: Path, done: int) -> None:
+        self.save_state(directory)
+        self._fill_counters(directory, done)
 
-        return self.run_dir.write_checkpoint(done, fill, self.config.keep_checkpoints)
+    def _fill_counters(self, directory: Path, done: int) -> None:
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, directory / "rng.pt")
+        state = {"iterations_done": done, "policy_version": self.backend.version}
+        (directory / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
     def save_state(self, directory: Path) -> None:
         """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``: the
@@ -378,7 +399,7 @@ class Trainer:
                 for tracker in trackers:
                     tracker.log(line)
                 self.iteration = done
-                if (done % config.checkpoint_every == 0 or done == config.iterations) and main:
+                if done % config.checkpoint_every == 0 or done == config.iterations:
                     self.save_checkpoint(done)
                 if on_line is not None:
                     on_line(line)

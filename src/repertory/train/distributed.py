@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def initialise() -> None:
@@ -68,11 +69,16 @@ def barrier() -> None:
 
 
 def sum_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
-    """Sum every parameter's gradient over the processes (a process with no micro-batch contributes zeros)."""
+    """Sum every parameter's gradient over the processes (a process with no micro-batch contributes zeros).
+    A sharded parameter's gradient FSDP already reduced, as the mean: it is scaled back to the sum."""
     if world_size() == 1:
         return
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in parameters:
+        if isinstance(p, DTensor):
+            if p.grad is not None:
+                p.grad.mul_(world_size())
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from repertory.agents.lm import LIVE_ADAPTER
 from repertory.algos import losses
@@ -33,6 +35,15 @@ from repertory.models.packing import PackedSequence, model_inputs, token_batches
 from repertory.train import distributed
 from repertory.train.batch import Batch, Experience, Sample
 from repertory.train.heads import ValueModel, with_lora
+from repertory.train.sharding import (
+    OPTIMIZER_SHARDS,
+    Scorer,
+    Sharded,
+    full_state,
+    load_full,
+    load_optimizer,
+    save_optimizer,
+)
 from repertory.types import RepertoryError, derive
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
@@ -62,10 +73,13 @@ class Learner:
         seed: int = 0,
         exact_sampler: bool = True,
         roles: RoleAdapters | None = None,
+        sharding: str = "none",
     ):
         """``exact_sampler``: the batches' log-probs come from this very float32 module (the hf backend without
         reduced precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is tis. ``roles``:
-        one LoRA adapter per role or team (``model.adapters``), each trained on its own seats' turns only."""
+        one LoRA adapter per role or team (``model.adapters``), each trained on its own seats' turns only.
+        ``sharding`` fsdp: weights, gradients and optimiser state sharded over the data-parallel processes
+        (:mod:`repertory.train.sharding`); its checkpoints keep the optimiser as shards, in one process too."""
         self.algo, self.critic_config, self.seed = algo, critic, seed
         auto = "none" if exact_sampler else "tis"
         self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
@@ -90,7 +104,6 @@ class Learner:
         self.model = base  # the causal LM generation runs on; LoRA layers are injected into it in place
         self.reference_adapter: str | None = None
         self.round_reference: nn.Module | None = None
-        self.policy_params = [p for p in base.parameters() if p.requires_grad]
         self.value: ValueModel | None = None
         self.critic_peft = None
         if needs_critic:
@@ -102,11 +115,32 @@ class Learner:
                 else:
                     critic_base.requires_grad_(True)
                 self.value = ValueModel(critic_base.get_decoder(), hidden).to(self.device)
+        self.scorer = Scorer(base)
+        self.reference_scorer = Scorer(self.reference) if self.reference is not None else None
+        self.optimizer_shards = sharding == "fsdp"
+        self.sharded = self._shard() if self.optimizer_shards and distributed.world_size() > 1 else None
+        self.policy_params = [p for p in base.parameters() if p.requires_grad]  # sharded ones: the optimiser's
         self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=algo.weight_decay)
+        if self.sharded is not None:
+            self.sharded.gather()
         warmup = algo.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
+
+    def _shard(self) -> Sharded:
+        if self.roles is not None:
+            raise RepertoryError("model.sharding fsdp does not support model.adapters per_role/per_team yet")
+        if self.value is not None and not self.critic_config.share_backbone:
+            raise RepertoryError("model.sharding fsdp shards the policy; a critic needs critic.share_backbone true")
+        return Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
+
+    def _stateful(self) -> nn.Module:
+        """A module holding every parameter the optimiser steps, by which its sharded state is named."""
+        modules = {"policy": self.scorer}
+        if self.value is not None:
+            modules["value"] = self.value.head
+        return nn.ModuleDict(modules)
 
     @property
     def shared_critic(self) -> bool:
@@ -156,25 +190,24 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         ents: dict[int, torch.Tensor] = {}
         vals: dict[int, torch.Tensor] = {}
-        model = self.model
+        scorer = self.scorer
         if reference and self.peft is None:
-            model = self.round_reference if self.round_reference is not None else self.reference
+            scorer = Scorer(self.round_reference) if self.round_reference is not None else self.reference_scorer
         if reference and self.peft is not None and self.reference_adapter is not None:
             self.peft.set_adapter(self.reference_adapter, inference_mode=True)
             try:
-                hidden = model.get_decoder()(**inputs).last_hidden_state
+                picked, logits = scorer(inputs, row_t, col_t)
             finally:
                 self.peft.set_adapter(LIVE_ADAPTER)
         elif reference and self.peft is not None:
             with self.peft.disable_adapter():
-                hidden = model.get_decoder()(**inputs).last_hidden_state
+                picked, logits = scorer(inputs, row_t, col_t)
         elif adapters is not None:
             with per_row_adapters(self.peft, adapters):
-                hidden = model.get_decoder()(**inputs).last_hidden_state
+                picked, logits = scorer(inputs, row_t, col_t)
         else:
-            hidden = model.get_decoder()(**inputs).last_hidden_state
-        picked = hidden[row_t, col_t]
-        logits = model.get_output_embeddings()(picked).float() / self.temperature
+            picked, logits = scorer(inputs, row_t, col_t)
+        logits = logits.float() / self.temperature
         all_logp = torch.log_softmax(logits, dim=-1)
         token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
         logp = _split(token_logp, owners)
@@ -268,7 +301,16 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norms[0])
+        return float(norms[0].full_tensor() if isinstance(norms[0], DTensor) else norms[0])
+
+    @contextmanager
+    def _sharded_state(self) -> Iterator[None]:
+        """Under model.sharding fsdp, the sharded weights for the block (gathered again after); else nothing."""
+        if self.sharded is None:
+            yield
+            return
+        with self.sharded.sharded():
+            yield
 
     @torch.no_grad()
     def score(self, batch: Batch) -> dict[str, float]:
@@ -278,12 +320,13 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         logp_ref: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
-        for micro in self._micro_batches(batch.sequences):
-            scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
-            logp.update({i: t.detach() for i, t in scored.logp.items()})
-            values.update({i: t.detach() for i, t in scored.values.items()})
-            ref = self._forward(micro, batch.samples, reference=True)
-            logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
+        with self._sharded_state():
+            for micro in self._micro_batches(batch.sequences):
+                scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
+                logp.update({i: t.detach() for i, t in scored.logp.items()})
+                values.update({i: t.detach() for i, t in scored.values.items()})
+                ref = self._forward(micro, batch.samples, reference=True)
+                logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
         recorded = [i for i in logp if len(batch.samples[i].logp_sample) == len(logp[i])]
         sampled = {i: torch.tensor(batch.samples[i].logp_sample, device=self.device) for i in recorded}
         cap = self.algo.rollout_correction_cap
@@ -315,13 +358,17 @@ class Learner:
         unready = [i for i, x in batch.experience.items() if x.advantages is None]
         if unready:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
+        with self._sharded_state():
+            return self._epochs(batch, iteration, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
+
+    def _epochs(self, batch: Batch, iteration: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
         totals: dict[str, float] = {}
         steps = skipped = 0
         moved: set[str] = set()  # role adapters stepped so far (one adapter per role)
-        for epoch in range(epochs or algo.ppo_epochs):
+        for epoch in range(epochs):
             order = list(range(len(batch.sequences)))
             random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
-            n_mini = min(mini_batches or algo.mini_batches, len(order))
+            n_mini = min(mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
                 if steps == 0 and self._flat(mini, batch):
@@ -337,7 +384,16 @@ class Learner:
             return {}
         out = {key: value / steps for key, value in totals.items()} if steps else {"loss/policy": 0.0, "kl": 0.0}
         out["skipped_frac"] = skipped / (steps + skipped)
+        out["memory/learner_state_mb"] = self.state_bytes() / 2**20
         return out
+
+    def state_bytes(self) -> int:
+        """Bytes of the trained parameters and their AdamW moments as this process holds them (its shards, when
+        sharded): what sharding divides."""
+        tensors = [*self.trainable_parameters()]
+        tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return sum(t.numel() * t.element_size() for t in local)
 
     def _flat(self, mini: list[PackedSequence], batch: Batch) -> bool:
         """Whether a step of the still-unchanged (scored) policy has a zero gradient: every advantage is 0, no
@@ -376,7 +432,12 @@ class Learner:
         sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "loss/value": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         # data-parallel: each process takes its share of the micro-batches; the summed gradients are the whole's
-        for micro in self._micro_batches(mini)[distributed.rank() :: distributed.world_size()]:
+        micros = self._micro_batches(mini)
+        mine = micros[distributed.rank() :: distributed.world_size()]
+        if self.sharded is not None:  # every process runs as many passes, each one's collectives matched
+            for _ in range(-(-len(micros) // distributed.world_size()) - len(mine)):
+                self._idle_pass(micros[0], batch)
+        for micro in mine:
             adapters = self._adapters_of(micro, batch)
             scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
             idx = [index for seq in micro for index, _ in seq.spans]
@@ -419,15 +480,31 @@ class Learner:
         sums["grad_norm"] = self.optimizer_step()
         return sums
 
+    def _idle_pass(self, micro: list[PackedSequence], batch: Batch) -> None:
+        """A forward and backward pass that adds nothing to the gradients, for a sharded process with fewer
+        micro-batches than the others (FSDP gathers and reduces each layer with every process)."""
+        (0.0 * sum(t.sum() for t in self._forward(micro, batch.samples).logp.values())).backward()
+
     # checkpoints
 
     def save(self, directory: Path) -> None:
-        """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``."""
+        """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``. Sharded
+        (:attr:`sharded`), every process calls it and writes its optimiser shard; otherwise process 0 alone."""
         directory.mkdir(parents=True, exist_ok=True)
+        gathered = None
+        with self._sharded_state():
+            if self.sharded is not None:  # the full weights, into process 0; a tied weight once, as unsharded
+                named = {*dict(self.scorer.named_parameters()), *dict(self.scorer.named_buffers())}
+                gathered = {k.removeprefix("model."): v for k, v in full_state(self.scorer).items() if k in named}
+            if self.optimizer_shards:
+                save_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
+        if not distributed.is_main():
+            return
         if self.peft is not None:  # the live adapter in policy/, any other (per role) in policy/<name>/
-            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=self.adapters)
+            peft_state = None if gathered is None else {f"base_model.model.{k}": v for k, v in gathered.items()}
+            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=self.adapters, state_dict=peft_state)
         else:
-            self.model.save_pretrained(str(directory / "policy"), safe_serialization=True)
+            self.model.save_pretrained(str(directory / "policy"), safe_serialization=True, state_dict=gathered)
             self.tokenizer.save_pretrained(str(directory / "policy"))
         if self.value is not None:
             save_file(_contiguous(self.value.head.state_dict()), str(directory / "value_head.safetensors"))
@@ -435,21 +512,17 @@ class Learner:
                 critic = self.critic_peft if self.critic_peft is not None else self.value.backbone
                 tensors = get_peft_model_state_dict(critic) if self.critic_peft is not None else critic.state_dict()
                 save_file(_contiguous(tensors), str(directory / "critic.safetensors"))
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-            directory / "optimizer.pt",
-        )
+        state = {"scheduler": self.scheduler.state_dict()}
+        if not self.optimizer_shards:
+            state["optimizer"] = self.optimizer.state_dict()
+        torch.save(state, directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
         """Restore everything :meth:`save` wrote."""
-        policy = directory / "policy"
-        if self.peft is not None:
-            for name in self.adapters:
-                folder = policy if name == LIVE_ADAPTER else policy / name
-                tensors = load_file(str(folder / "adapter_model.safetensors"))
-                set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
-        else:
-            self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
+        with self._sharded_state():
+            self._load_policy(directory / "policy")
+            if self.optimizer_shards:
+                load_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
         if self.value is not None:
             self.value.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
             if not self.shared_critic:
@@ -459,8 +532,33 @@ class Learner:
                 else:
                     self.value.backbone.load_state_dict(tensors)
         state = torch.load(directory / "optimizer.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.optimizer_shards:
+            if "optimizer" not in state:
+                raise RepertoryError(f"{directory} keeps its optimizer as shards: resume with model.sharding fsdp")
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def _load_policy(self, policy: Path) -> None:
+        if self.sharded is None and self.peft is not None:
+            for name in self.adapters:
+                folder = policy if name == LIVE_ADAPTER else policy / name
+                tensors = load_file(str(folder / "adapter_model.safetensors"))
+                set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
+        elif self.sharded is None:
+            self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
+        elif (
+            self.peft is not None
+        ):  # the adapter's names in the scorer: base_model.model.X.lora_A.weight -> model.X.lora_A.default.weight
+            saved = load_file(str(policy / "adapter_model.safetensors"))
+            renamed = {}
+            for key, tensor in saved.items():
+                inner = key.removeprefix("base_model.model.")
+                for part in (".lora_A.", ".lora_B."):
+                    inner = inner.replace(part, f"{part}{LIVE_ADAPTER}.")
+                renamed[f"model.{inner}"] = tensor
+            load_full(self.scorer, renamed)
+        else:
+            load_full(self.scorer, {f"model.{k}": v for k, v in load_file(str(policy / "model.safetensors")).items()})
 
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:

@@ -62,7 +62,8 @@ def warm_dir(config: TrainConfig) -> Path:
     shape = {
         "env": config.rollout.env,
         "env_options": config.rollout.env_options,
-        "model": config.model.model_dump(mode="json", exclude={"adapters"}),  # one shared model imitates
+        # one shared model imitates, in one process
+        "model": config.model.model_dump(mode="json", exclude={"adapters", "sharding"}),
         "bot": warm_bot(config),
         "budget": config.warm_start.model_dump(mode="json", exclude={"bot", "partner"}),
         "sampling": [config.rollout.temperature, config.rollout.max_new_tokens, config.rollout.constrained],
@@ -92,7 +93,8 @@ def imitation_config(config: TrainConfig, directory: Path) -> TrainConfig:
         "log_seats": "every" if imitates_every_seat(config) else "trained",
         "log_agent": warm_bot(config) if warm_partner(config) is not None else None,
     }
-    data["model"] = {**data["model"], "adapters": "shared"}  # per-role adapters start from the imitating model
+    # per-role adapters start from the imitating model; it is built in one process (warm_started)
+    data["model"] = {**data["model"], "adapters": "shared", "sharding": "none"}
     data["rollout"] = {**data["rollout"], "opponent": warm_bot(config), "workers": 0}
     data["algo"] = {**data["algo"], "lr": config.warm_start.lr, "kl_mode": "loss"}
     return TrainConfig.model_validate(data)

@@ -1,0 +1,163 @@
+"""Sharded training (``model.sharding: fsdp``): the learner's weights, gradients and AdamW moments split over
+the data-parallel processes with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Every decoder layer is one FSDP unit; the embeddings, the final norm and the output head form the root unit,
+a :class:`Scorer` around the causal LM whose forward is the learner's (decoder, the response positions, the
+head), so the root's hooks run before any layer's.
+
+The weights live in two states. Outside the learner's scoring and update they are *gathered*: every process
+holds the full parameters, so rollouts, evaluation and the hf engine run unchanged, and each process decodes
+as many steps as its own episodes need without any collective. During scoring and the update they are
+*sharded*: a layer's weights are all-gathered for its forward and backward and freed after, gradients are
+reduce-scattered, and AdamW keeps only its shard of the moments. What grows with the model during the update —
+fp32 gradients and two moments, 12 bytes a trained parameter — divides by the process count; sampling needs the
+full weights on every device, as in verl's hybrid engine.
+
+Checkpoints: process 0 writes the policy's gathered weights in the usual format (an adapter directory or a
+Hugging Face model), so eval, export and serve read them unchanged; every process writes its shard of the
+optimiser state as a ``torch.distributed.checkpoint`` directory, which loads onto any process count (the
+checkpoint reader re-shards), one process included.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from repertory.types import RepertoryError
+
+OPTIMIZER_SHARDS = "optimizer"  # the checkpoint's DCP directory of optimiser shards
+
+
+class Scorer(nn.Module):
+    """A causal LM's learner forward: the hidden states at ``(rows, cols)`` and the head's logits there."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, inputs: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = self.model.get_decoder()(**inputs).last_hidden_state[rows, cols]
+        return picked, self.model.get_output_embeddings()(picked)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RepertoryError(f"model.sharding fsdp shards a decoder's .layers; {type(model).__name__} has none")
+    return layers
+
+
+class Sharded:
+    """The FSDP units of one or more :class:`Scorer` roots and the switch between the gathered and the sharded
+    state; built sharded."""
+
+    def __init__(self, roots: list[Scorer]):
+        self.roots = roots
+        for root in roots:
+            for layer in _decoder_layers(root.model):
+                fully_shard(layer)
+            fully_shard(root)
+            # FSDP initialises its hooks at the root's first forward; generation calls the layers directly, so run
+            # the root once now (all processes together: its weights are gathered for it)
+            one = torch.zeros((1, 1), dtype=torch.long, device=root.model.get_input_embeddings().weight.device)
+            with torch.no_grad():
+                root({"input_ids": one}, one[0], one[0])
+        self.units = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
+        self.shard()
+
+    def gather(self) -> None:
+        """Every process holds the full weights until :meth:`shard` (collective)."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+
+    def shard(self) -> None:
+        """Free the gathered weights; each unit gathers its own for its forward and backward."""
+        for unit in self.units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+    @contextmanager
+    def sharded(self) -> Iterator[None]:
+        """The sharded state for the block (the parameters are the optimiser's DTensors), gathered after."""
+        self.shard()
+        try:
+            yield
+        finally:
+            self.gather()
+
+
+def sharded_parameters(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s full state on the CPU of process 0 (empty elsewhere); collective when sharded."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@torch.no_grad()
+def load_full(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors, named as in ``module``, into its parameters, sharded or not (collective when sharded:
+    every process passes the same names in the same order)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise RepertoryError(f"the checkpoint holds weights this model does not have: {unknown[:3]}")
+    for name, tensor in tensors.items():
+        param = params[name]
+        tensor = tensor.to(param.device, param.dtype)
+        if isinstance(param, DTensor):
+            tensor = distribute_tensor(tensor, param.device_mesh, param.placements)
+        param.copy_(tensor)
+
+
+def save_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every process writes its shard of ``optimizer``'s state (keyed by ``module``'s parameter names)."""
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    with _one_process_is_intended():
+        dcp.save(state, checkpoint_id=str(directory))
+
+
+def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Restore what :func:`save_optimizer` wrote, on any process count. A checkpoint taken before the optimiser's
+    first step holds no moments; the initial ones stay, which AdamW's first step treats alike (any other missing
+    entry is an error)."""
+    if not directory.is_dir():
+        raise RepertoryError(
+            f"{directory.parent} holds no optimizer shards: it was written without model.sharding fsdp; resume it "
+            "with the sharding it was trained with"
+        )
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    stepped = any(key.startswith("optimizer.state.") for key in saved)
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=str(directory), planner=DefaultLoadPlanner(allow_partial_load=not stepped))
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])
+
+
+@contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Without a process group the checkpoint reader and writer warn that they assume one process: they do so
+    rightly here (``model.sharding fsdp`` run or resumed in one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
