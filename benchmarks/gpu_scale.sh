@@ -4,7 +4,9 @@
 # `bash benchmarks/gpu_scale.sh` there. It measures, on a random model of the embedded one's shape:
 #   1. asynchronous rollouts: benchmarks/async_rollouts.py (staleness 0 against 1, same samples) on CUDA;
 #   2. one adapter per role against one shared adapter: rollout and learner throughput of two iterations of
-#      Ultimatum self-play (constrained), every seat in one batched call either way.
+#      Ultimatum self-play (constrained), every seat in one batched call either way;
+#   3. with two GPUs or more, the sharded learner's memory per GPU (benchmarks/sharded_memory.py) on random
+#      weights of 1.5B parameters, data-parallel against model.sharding fsdp.
 source benchmarks/gpu_env.sh
 $PY benchmarks/gpu.py --tokenizer .gpu/tokenizer --save-model /tmp/random-135m >"$OUT/scale.log" 2>&1
 on_gpu=(--set model.name=/tmp/random-135m --set model.device=cuda --set rollout.kernels_per_iteration=16)
@@ -21,3 +23,13 @@ for adapters in shared per_role; do
   echo "train $adapters exit $?" | tee -a "$OUT/summary-scale.txt"
   cp /tmp/runs/roles-"$adapters"*/metrics.jsonl "$OUT/roles-$adapters.jsonl" 2>/dev/null
 done
+
+# 3. sharded against data-parallel memory per GPU (about 3 minutes; needs two GPUs to shard over)
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  timeout 300 $PY benchmarks/sharded_memory.py --processes "$gpus" --shape 1.5b --device cuda \
+    --set rollout.max_new_tokens=32 >"$OUT/sharded-memory.json" 2>>"$OUT/scale.log"
+  echo "sharded_memory exit $?" | tee -a "$OUT/summary-scale.txt"
+else
+  echo "sharded_memory skipped: $gpus GPU (FSDP shards over two or more)" | tee -a "$OUT/summary-scale.txt"
+fi
