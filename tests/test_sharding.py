@@ -10,7 +10,7 @@ from repertory.config import load_config
 from repertory.models import load_tokenizer, tiny_model
 from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
-from repertory.train.sharding import OPTIMIZER_SHARDS
+from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
 from repertory.types import RepertoryError
 
 
@@ -76,3 +76,13 @@ def test_a_checkpoint_resumes_only_with_the_sharding_it_was_written_with(tmp_pat
     )
     with pytest.raises(RepertoryError, match="keeps its optimizer as shards"):
         resume_run(sharded.fit(), ["model.sharding=none"], loaded=tiny_model(tokenizer, seed=2))
+
+
+def test_a_shard_written_to_another_machines_disk_is_named(tmp_path):
+    tokenizer = load_tokenizer()
+    run = start_run(_config(tmp_path, "run", "model.sharding=fsdp", "iterations=1"), tiny_model(tokenizer, seed=2))
+    shards = RunDir(run.fit()).complete_checkpoints()[-1] / OPTIMIZER_SHARDS
+    check_shards(shards)  # whole
+    (shards / "__0_0.distcp").rename(tmp_path / "elsewhere.distcp")
+    with pytest.raises(RepertoryError, match=r"shards \['__0_0.distcp'\] are not in .*every machine mounts"):
+        check_shards(shards)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -107,7 +108,14 @@ class RolloutWorker:
             if pool_run is None or peft is None:
                 raise RepertoryError("snapshot@K needs a LoRA run with an opponent pool")
             name = f"snapshot-{k}"
-            return name if name in peft.peft_config else load_adapter(peft, name, pool_run.snapshot(k))
+            if name in peft.peft_config:
+                return name
+            if not pool_run.snapshot(k).is_file():
+                raise RepertoryError(
+                    f"snapshot {pool_run.snapshot(k)} is not on this worker's node ({socket.gethostname()}): the run "
+                    "directory must be on a file system every node mounts at the same path"
+                )
+            return load_adapter(peft, name, pool_run.snapshot(k))
 
         return LivePolicy(agent, peft, reference, load_snapshot, source.engine)
 
@@ -137,14 +145,18 @@ class RolloutWorker:
         specs = [replace(spec, agents=[self.agent(name) for name in names]) for spec, names in shard]
         return run_episodes(specs, max_concurrent, schedule=schedule)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def node(self) -> str:
+        """The id of the Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 class WorkerPool:
-    """N Ray actors playing the shards of each call; Ray starts a local cluster unless ``RAY_ADDRESS`` names
-    one. ``lineup`` (picklable, called in every actor) builds agents under names of the caller's choosing,
-    for line-ups whose agents are not plain specs (evaluation's sampling options per agent)."""
+    """N Ray actors playing the shards of each call, on the cluster at ``address`` (else ``RAY_ADDRESS``; a
+    process connects once), or on a local one Ray starts. ``lineup`` (picklable, called in every actor) builds
+    agents under names of the caller's choosing, for line-ups whose agents are not plain specs (evaluation's
+    sampling options per agent)."""
 
     def __init__(
         self,
@@ -154,6 +166,7 @@ class WorkerPool:
         live: LiveSource | None = None,
         lineup: Callable[[], dict[str, Agent]] | None = None,
         cpus_per_worker: float = 1,
+        address: str | None = None,
     ):
         try:
             import ray
@@ -163,11 +176,12 @@ class WorkerPool:
             raise RepertoryError(f"workers must be at least 1 (got {n})")
         self.ray = ray
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            _connect(ray, address or os.environ.get("RAY_ADDRESS"))
         actor = ray.remote(num_cpus=cpus_per_worker)(RolloutWorker)
         source = ray.put(live) if live is not None else None
         self.actors = [actor.remote(env, options or LMOptions(), source, lineup) for _ in range(n)]
-        ray.get([a.pid.remote() for a in self.actors])  # built, or the error of the first that failed
+        # built, or the error of the first that failed; then the node each one landed on
+        self.nodes: list[str] = self._gather([a.node.remote() for a in self.actors], "starting", [])
 
     def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Send the live policy's new weights to every actor."""
@@ -212,6 +226,21 @@ class WorkerPool:
         for actor in self.actors:
             self.ray.kill(actor)
         self.actors = []
+
+
+def _connect(ray: Any, address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (None: start a local one). An address where nothing listens fails here
+    at once, where Ray itself would retry for minutes."""
+    if address not in (None, "", "auto"):
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=10).close()
+        except (OSError, ValueError) as error:
+            raise RepertoryError(
+                f"no Ray cluster answers at {address!r} ({error}): start one with `ray start --head` and pass the "
+                "address it prints (rollout.ray_address or RAY_ADDRESS)"
+            ) from None
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
 
 
 def by_name(specs: list[EpisodeSpec], spec_of: Callable[[Agent], str]) -> list[tuple[EpisodeSpec, list[str]]]:

@@ -154,6 +154,12 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _ray_address(self) -> TrainConfig:
+        if self.rollout.ray_address is not None and not self.rollout.workers:
+            raise ValueError("rollout.ray_address places rollout.workers on a Ray cluster: set rollout.workers too")
+        return self
+
+    @model_validator(mode="after")
     def _sharding(self) -> TrainConfig:
         if self.model.sharding == "none":
             return self

@@ -94,7 +94,15 @@ class RolloutConfig(_Section):
         0,
         ge=0,
         description="Ray actors that play each iteration's episodes, sharded, each with its own copy of the policy "
-        "(0: in this process). Needs the ray extra; RAY_ADDRESS names a cluster, else a local one starts.",
+        "(0: in this process). Needs the ray extra; rollout.ray_address (else RAY_ADDRESS) names a cluster, else a "
+        "local one starts.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="The Ray cluster rollout.workers run on: 'HOST:PORT' of its head (as `ray start --head` prints), "
+        "'ray://HOST:PORT' (Ray Client) or 'auto' (the cluster this machine belongs to); default RAY_ADDRESS, else "
+        "a local cluster. Every node needs repertory installed; model:PATH opponents and pool snapshots are read "
+        "on the workers' nodes (a shared file system).",
     )
     max_staleness: int = Field(
         0,

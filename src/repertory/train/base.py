@@ -43,6 +43,7 @@ from repertory.train.methods import build_method
 from repertory.train.methods.adalign import AdvantageAlignment
 from repertory.train.pipeline import AsyncRollouts, Played, Sampler
 from repertory.train.pool import OpponentPool
+from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
 from repertory.types import Episode, RepertoryError, derive
 from repertory.workers import LIVE, LiveSource, LocalSampler, PoolSampler, RolloutWorker, WorkerPool
 
@@ -152,7 +153,9 @@ class Trainer:
     def _worker_pool(self) -> WorkerPool:
         if self.workers is None:
             rollout = self.config.rollout
-            self.workers = WorkerPool(rollout.workers, rollout.env, self._options(), self._live_source())
+            self.workers = WorkerPool(
+                rollout.workers, rollout.env, self._options(), self._live_source(), address=rollout.ray_address
+            )
         return self.workers
 
     def played_ahead(self, iteration: int) -> tuple[Played, float]:
@@ -339,6 +342,7 @@ class Trainer:
         distributed.barrier()
         final = None
         if main:
+            check_shards(tmp / OPTIMIZER_SHARDS)
             self.method.save(tmp)
             self._fill_counters(tmp, done)
             final = self.run_dir.finish_checkpoint(done, tmp, self.config.keep_checkpoints)

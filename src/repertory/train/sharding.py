@@ -137,6 +137,20 @@ def save_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, director
         dcp.save(state, checkpoint_id=str(directory))
 
 
+def check_shards(directory: Path) -> None:
+    """Every shard the checkpoint's index names is in ``directory``: a process on another machine that wrote
+    into a directory of the same name on its own disk left a checkpoint no resume could read."""
+    index = dcp.FileSystemReader(str(directory)).read_metadata()
+    missing = sorted(
+        {info.relative_path for info in index.storage_data.values()} - {p.name for p in directory.iterdir()}
+    )
+    if missing:
+        raise RepertoryError(
+            f"optimizer shards {missing} are not in {directory}: the processes on other machines wrote them to "
+            "their own disks; the run directory must be on a file system every machine mounts at the same path"
+        )
+
+
 def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Restore what :func:`save_optimizer` wrote, on any process count. A checkpoint taken before the optimiser's
     first step holds no moments; the initial ones stay, which AdamW's first step treats alike (any other missing
