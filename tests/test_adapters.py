@@ -59,7 +59,6 @@ def test_role_adapters_name_one_adapter_per_role_or_team_and_route_each_seat():
     [
         (["rollout.env=ipd"], "fewer than two roles"),
         (["model.lora.enabled=false"], "full fine-tuning"),
-        (["rollout.backend=vllm"], "rollout.backend vllm"),
         (["rollout.workers=2"], "rollout.workers"),
         (["rollout.max_staleness=1"], "rollout.max_staleness"),
         (["method.kind=mt-sft", "method.logs=x.parquet"], "round method"),

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repertory.config import load_config
+from repertory.config import AlgoConfig, CriticConfig, LoraConfig, load_config
 from repertory.models import load_tokenizer, tiny_model
 from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
+from repertory.train.learner import Learner
 from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
 from repertory.types import RepertoryError
 
@@ -40,6 +41,7 @@ def _config(tmp_path, name, *extra):
         (["rollout.workers=2"], "rollout.workers"),
         (["rollout.max_staleness=1"], "rollout.max_staleness"),
         (["method.kind=adalign", "rollout.opponent=pool"], "rollout.opponent pool"),
+        (["method.estimator=gae", "method.critic.share_backbone=false"], "a critic on its own backbone"),
     ],
 )
 def test_sharding_refuses_what_it_does_not_support_yet(tmp_path, extra, refused):
@@ -69,12 +71,13 @@ def test_one_process_run_keeps_the_optimizer_as_shards_and_resumes_exactly(tmp_p
 def test_a_checkpoint_resumes_only_with_the_sharding_it_was_written_with(tmp_path):
     tokenizer = load_tokenizer()
     plain = start_run(_config(tmp_path, "plain", "iterations=1"), tiny_model(tokenizer, seed=2)).fit()
-    with pytest.raises(RepertoryError, match="holds no optimizer shards"):
+    with pytest.raises(RepertoryError, match="written without model.sharding fsdp: resume it with the sharding"):
         resume_run(plain, ["model.sharding=fsdp"], loaded=tiny_model(tokenizer, seed=2))
+    assert "sharding: fsdp" not in (plain / "config.yaml").read_text()  # the refused resume changed nothing
     sharded = start_run(
         _config(tmp_path, "sharded", "model.sharding=fsdp", "iterations=1"), tiny_model(tokenizer, seed=2)
     )
-    with pytest.raises(RepertoryError, match="keeps its optimizer as shards"):
+    with pytest.raises(RepertoryError, match="written with model.sharding fsdp: resume it with the sharding"):
         resume_run(sharded.fit(), ["model.sharding=none"], loaded=tiny_model(tokenizer, seed=2))
 
 
@@ -86,3 +89,20 @@ def test_a_shard_written_to_another_machines_disk_is_named(tmp_path):
     (shards / "__0_0.distcp").rename(tmp_path / "elsewhere.distcp")
     with pytest.raises(RepertoryError, match=r"shards \['__0_0.distcp'\] are not in .*every machine mounts"):
         check_shards(shards)
+
+
+def test_a_checkpoint_before_the_first_step_resumes_a_fresh_optimizer(tmp_path):
+    """The checkpoint writer would initialise AdamW's state with a zero-lr step that counts; the learner writes
+    no shards then, and its optimiser stays fresh, as does the one that loads the checkpoint."""
+
+    def learner():
+        return Learner(
+            tiny_model(load_tokenizer(), seed=2), AlgoConfig(), LoraConfig(), CriticConfig(), False, sharding="fsdp"
+        )
+
+    saving, loading = learner(), learner()
+    saving.save(tmp_path / "checkpoint")
+    assert not saving.optimizer.state and not (tmp_path / "checkpoint" / OPTIMIZER_SHARDS).exists()
+    assert torch.load(tmp_path / "checkpoint" / "optimizer.pt", weights_only=True)["optimizer_stepped"] is False
+    loading.load(tmp_path / "checkpoint")
+    assert not loading.optimizer.state

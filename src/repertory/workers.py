@@ -22,6 +22,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -39,6 +40,7 @@ from repertory.runs import RunDir
 from repertory.types import Episode, Judge, RepertoryError
 
 LIVE = "live"  # the spec of the trainer's live policy inside a worker
+RAY_CLIENT_PORT = 10001  # Ray Client's port when a ray:// address names none
 
 
 @dataclass
@@ -71,7 +73,12 @@ class RolloutWorker:
         options: LMOptions,
         live: LiveSource | None,
         lineup: Callable[[], dict[str, Agent]] | None = None,
+        cwd: str | None = None,
     ):
+        """``cwd``: the caller's working directory, which the actor adopts where its node has it (a shared file
+        system mounted at the same path), so relative paths in specs and the run directory mean the same."""
+        if cwd is not None and os.path.isdir(cwd):
+            os.chdir(cwd)
         self.env, self.options = env_class(env), options
         self.live: LivePolicy | None = None
         self.agents: dict[str, Agent] = dict(lineup()) if lineup is not None else {}
@@ -179,7 +186,7 @@ class WorkerPool:
             _connect(ray, address or os.environ.get("RAY_ADDRESS"))
         actor = ray.remote(num_cpus=cpus_per_worker)(RolloutWorker)
         source = ray.put(live) if live is not None else None
-        self.actors = [actor.remote(env, options or LMOptions(), source, lineup) for _ in range(n)]
+        self.actors = [actor.remote(env, options or LMOptions(), source, lineup, os.getcwd()) for _ in range(n)]
         # built, or the error of the first that failed; then the node each one landed on
         self.nodes: list[str] = self._gather([a.node.remote() for a in self.actors], "starting", [])
 
@@ -231,10 +238,14 @@ class WorkerPool:
 def _connect(ray: Any, address: str | None) -> None:
     """Join the Ray cluster at ``address`` (None: start a local one). An address where nothing listens fails here
     at once, where Ray itself would retry for minutes."""
-    if address not in (None, "", "auto"):
-        host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address not in (None, "", "auto", "local"):
+        client = address.startswith("ray://")
         try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=10).close()
+            parts = urlsplit(address if client else f"//{address}")
+            port = parts.port or (RAY_CLIENT_PORT if client else None)
+            if parts.hostname is None or port is None:
+                raise ValueError("expected HOST:PORT, [IPv6]:PORT or ray://HOST[:PORT]")
+            socket.create_connection((parts.hostname, port), timeout=10).close()
         except (OSError, ValueError) as error:
             raise RepertoryError(
                 f"no Ray cluster answers at {address!r} ({error}): start one with `ray start --head` and pass the "

@@ -14,11 +14,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from repertory.config import load_config
+from repertory.config import AdapterConfig, load_config
 from repertory.generation import SamplingParams, make_backend
 from repertory.models import LoadedModel, load_tokenizer, tiny_model
 from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
+from repertory.train.heads import with_lora
 from repertory.types import RepertoryError
 
 pytestmark = [
@@ -248,3 +249,61 @@ def test_bench_rollout_runs_both_engines_on_the_same_episodes(tmp_path, tokenize
 def test_an_argument_vllm_does_not_know_is_a_one_line_error(tokenizer):
     with pytest.raises(RepertoryError, match="rollout.engine_args: vLLM refused"):
         make_backend("vllm", tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=1), max_batch=8)
+
+
+@pytest.mark.parametrize("mode", ["merged", "requests"])
+def test_every_role_adapter_is_a_new_version_after_each_sync(tokenizer, mode):
+    roles = ["role-vendor", "role-customer"]
+    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=3)
+    peft = with_lora(loaded.model, AdapterConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]), 0, roles)
+    loaded = LoadedModel(loaded.model, tokenizer, loaded.name, peft)
+
+    def step() -> None:  # every role's adapter moves, as a learner step on both roles' turns moves them
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.5 * torch.randn_like(p))
+
+    step()
+    backend = make_backend("vllm", loaded, **({} if mode == "merged" else {"lora_mode": "requests"}))
+    prompt = tokenizer.encode("Round 1. You are the vendor. " * 3)
+    one_path = backend.constraint(["<offer>40</offer> is my price"])
+    params = SamplingParams(max_new_tokens=16)
+    with pytest.raises(ValueError, match="name each row's adapter"):
+        backend.generate([prompt], params, [0])
+    before = backend.generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
+    step()
+    backend.sync(loaded.model)
+    after = backend.generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
+    hf = make_backend("hf", loaded).generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
+    backend.close()
+    for old, new, reference in zip(before, after, hf):
+        assert gap(old.logp_sample, new.logp_sample) > 1e-2  # each role samples its new version
+        assert new.response_ids == reference.response_ids and gap(new.logp_sample, reference.logp_sample) < TOL
+
+
+def test_a_per_role_run_on_vllm_samples_what_its_learner_scores(tmp_path, tokenizer):
+    config = load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "name=roles",
+            "iterations=2",
+            "rollout.env=ultimatum",
+            "model.adapters=per_role",
+            "rollout.backend=vllm",
+            "rollout.constrained=true",
+            "rollout.kernels_per_iteration=2",
+            "rollout.episodes_per_kernel=2",
+            "eval.episodes=0",
+            "model.lora.r=8",
+            "algo.lr=1e-2",
+        ],
+    )
+    trainer = start_run(config, tiny_model(tokenizer, hidden=HIDDEN, seed=2))
+    run_dir = trainer.fit()
+    trainer.backend.close()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # iteration 1 is sampled after an update that moved the two roles' adapters apart: a row on the wrong
+    # adapter, or a role adapter left at its old version, would open the gap
+    assert lines[1]["kl"] > 0 and all(line["offpolicy/max_gap"] < 1e-3 for line in lines)

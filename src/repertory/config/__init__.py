@@ -137,7 +137,6 @@ class TrainConfig(_Section):
         unsupported = {
             "full fine-tuning (model.lora.enabled false): the adapters are LoRA adapters": not self.model.lora.enabled,
             f"method kind {self.method.kind} (a round method)": self.round_based,
-            f"rollout.backend {self.rollout.backend} (per-row adapters run on hf)": self.rollout.backend != "hf",
             "rollout.workers (the workers copy one adapter)": bool(self.rollout.workers),
             "rollout.max_staleness (the pipeline publishes one adapter)": bool(self.rollout.max_staleness),
             "rollout.opponent pool (its snapshots are of one adapter)": self.rollout.opponent == "pool",
@@ -171,6 +170,9 @@ class TrainConfig(_Section):
             "rollout.workers": bool(self.rollout.workers),
             "rollout.max_staleness": bool(self.rollout.max_staleness),
             "rollout.opponent pool (process 0 alone snapshots the policy)": self.rollout.opponent == "pool",
+            "a critic on its own backbone (method.critic.share_backbone false)": not getattr(
+                getattr(self.method, "critic", None), "share_backbone", True
+            ),
         }
         for what, present in unsupported.items():
             if present:

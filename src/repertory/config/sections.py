@@ -45,8 +45,8 @@ class ModelConfig(_Section):
         description="shared: one LoRA adapter plays every seat; per_role: one adapter per game role (vendor and "
         "customer; werewolf, seer, witch, villager), per_team: one per team (village, wolves), all on one base and "
         "every seat still sampled in one batched call; each adapter learns from its own seats' turns only. Needs "
-        "LoRA without dropout or adapters on lm_head, an online method, the hf backend, rollout.workers 0, "
-        "max_staleness 0 and no pool opponent.",
+        "LoRA without dropout or adapters on lm_head, an online method, rollout.workers 0, max_staleness 0 and no "
+        "pool opponent.",
     )
     sharding: Literal["none", "fsdp"] = Field(
         "none",

@@ -219,7 +219,7 @@ class VLLMBackend(TokenizedChoices):
         else:
             args.update(enforce_eager=True, kv_cache_memory_bytes=2 << 30)
         if self.peft is not None and self.lora_mode == "requests":
-            lora = self.peft.peft_config[self.peft.active_adapter]
+            lora = self.peft.peft_config[self.peft.active_adapters[0]]
             args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=_lora_rank(lora.r))
         args.update(engine_args)
         # Without OMP_NUM_THREADS vLLM drops this whole process (the learner too) to one torch thread.
@@ -293,7 +293,9 @@ class VLLMBackend(TokenizedChoices):
             if adapter is not SYNCED and adapter is not None:
                 raise ValueError(f"adapter {adapter!r} requested from a model without LoRA adapters")
             return None
-        name = self.peft.active_adapter if adapter is SYNCED else adapter
+        if adapter is SYNCED and len(self.peft.active_adapters) > 1:
+            raise ValueError("several adapters are trained (one per role): name each row's adapter, not SYNCED")
+        name = self.peft.active_adapters[0] if adapter is SYNCED else adapter
         if name is not None and name not in self.peft.peft_config:
             raise ValueError(f"unknown adapter {name!r}; the model has {', '.join(self.peft.peft_config)}")
         return name
@@ -355,17 +357,18 @@ class VLLMBackend(TokenizedChoices):
         return self._loras[name]
 
     def sync(self, policy: Any) -> None:
-        """Sample the learner's current weights: a new version of the live adapter under LoRA (adapters that
-        left the PEFT model are dropped), the weights themselves loaded into the engine otherwise."""
+        """Sample the learner's current weights: a new version of every trained adapter under LoRA (the live
+        one, or one per role; adapters that left the PEFT model are dropped), the weights themselves loaded into
+        the engine otherwise."""
         if policy is not self.model:
             raise ValueError("the vllm backend serves the model it was built on; build a backend for this policy")
         self.version += 1
         self._wake()
         if self.peft is not None:
-            live = self.peft.active_adapter
-            for name in [n for n in self._loras if n == live or n not in self.peft.peft_config]:
+            live = set(self.peft.active_adapters)
+            for name in [n for n in self._loras if n in live or n not in self.peft.peft_config]:
                 self._drop(name)
-            for name in [n for n in self._tags if n == live or n not in self.peft.peft_config]:
+            for name in [n for n in self._tags if n in live or n not in self.peft.peft_config]:
                 self._merged.pop(self._tags.pop(name), None)
             return
         if self.loaded.device.type == "cpu":

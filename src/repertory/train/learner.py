@@ -118,7 +118,11 @@ class Learner:
         self.scorer = Scorer(base)
         self.reference_scorer = Scorer(self.reference) if self.reference is not None else None
         self.optimizer_shards = sharding == "fsdp"
-        self.sharded = self._shard() if self.optimizer_shards and distributed.world_size() > 1 else None
+        if self.optimizer_shards:
+            self._check_shardable()
+        self.sharded = None
+        if self.optimizer_shards and distributed.world_size() > 1:
+            self.sharded = Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
         self.policy_params = [p for p in base.parameters() if p.requires_grad]  # sharded ones: the optimiser's
         self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=algo.weight_decay)
         if self.sharded is not None:
@@ -128,12 +132,11 @@ class Learner:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
 
-    def _shard(self) -> Sharded:
+    def _check_shardable(self) -> None:
         if self.roles is not None:
             raise RepertoryError("model.sharding fsdp does not support model.adapters per_role/per_team yet")
         if self.value is not None and not self.critic_config.share_backbone:
             raise RepertoryError("model.sharding fsdp shards the policy; a critic needs critic.share_backbone true")
-        return Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
 
     def _stateful(self) -> nn.Module:
         """A module holding every parameter the optimiser steps, by which its sharded state is named."""
@@ -371,7 +374,8 @@ class Learner:
             n_mini = min(mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
-                if steps == 0 and self._flat(mini, batch):
+                # one decision for every process (each computed it from its own scoring pass)
+                if steps == 0 and distributed.broadcast(self._flat(mini, batch)):
                     skipped += 1
                     continue
                 idle = self._idle_roles(mini, batch, moved)
@@ -492,11 +496,15 @@ class Learner:
         (:attr:`sharded`), every process calls it and writes its optimiser shard; otherwise process 0 alone."""
         directory.mkdir(parents=True, exist_ok=True)
         gathered = None
+        # before any step AdamW has no state, and the checkpoint writer would initialise it (a zero-lr step that
+        # counts): such a checkpoint records no shards, and its resume starts from a fresh optimiser
+        stepped = bool(self.optimizer.state)
         with self._sharded_state():
-            if self.sharded is not None:  # the full weights, into process 0; a tied weight once, as unsharded
+            if self.sharded is not None:  # the weights, into process 0; a tied weight once, as unsharded
                 named = {*dict(self.scorer.named_parameters()), *dict(self.scorer.named_buffers())}
-                gathered = {k.removeprefix("model."): v for k, v in full_state(self.scorer).items() if k in named}
-            if self.optimizer_shards:
+                full = full_state(self.scorer, trained_only=self.peft is not None)
+                gathered = {k.removeprefix("model."): v for k, v in full.items() if k in named}
+            if self.optimizer_shards and stepped:
                 save_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
         if not distributed.is_main():
             return
@@ -513,15 +521,21 @@ class Learner:
                 tensors = get_peft_model_state_dict(critic) if self.critic_peft is not None else critic.state_dict()
                 save_file(_contiguous(tensors), str(directory / "critic.safetensors"))
         state = {"scheduler": self.scheduler.state_dict()}
-        if not self.optimizer_shards:
+        if self.optimizer_shards:
+            state["optimizer_stepped"] = stepped
+        else:
             state["optimizer"] = self.optimizer.state_dict()
         torch.save(state, directory / "optimizer.pt")
 
     def load(self, directory: Path) -> None:
         """Restore everything :meth:`save` wrote."""
+        state = torch.load(directory / "optimizer.pt", weights_only=True)
+        if self.optimizer_shards == ("optimizer" in state):
+            kept = "without model.sharding fsdp" if self.optimizer_shards else "with model.sharding fsdp"
+            raise RepertoryError(f"{directory} was written {kept}: resume it with the sharding it was trained with")
         with self._sharded_state():
             self._load_policy(directory / "policy")
-            if self.optimizer_shards:
+            if self.optimizer_shards and state["optimizer_stepped"]:
                 load_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
         if self.value is not None:
             self.value.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
@@ -531,10 +545,7 @@ class Learner:
                     set_peft_model_state_dict(self.critic_peft, tensors)
                 else:
                     self.value.backbone.load_state_dict(tensors)
-        state = torch.load(directory / "optimizer.pt", weights_only=True)
         if not self.optimizer_shards:
-            if "optimizer" not in state:
-                raise RepertoryError(f"{directory} keeps its optimizer as shards: resume with model.sharding fsdp")
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -546,17 +557,15 @@ class Learner:
                 set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
         elif self.sharded is None:
             self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
-        elif (
-            self.peft is not None
-        ):  # the adapter's names in the scorer: base_model.model.X.lora_A.weight -> model.X.lora_A.default.weight
+        elif self.peft is not None:
+            # PEFT saves an adapter's weight model.X.<adapter>.weight as base_model.model.X.weight
+            names = {
+                "base_model.model." + name.removeprefix("model.").replace(f".{LIVE_ADAPTER}", ""): name
+                for name, _ in self.scorer.named_parameters()
+                if f".{LIVE_ADAPTER}." in name
+            }
             saved = load_file(str(policy / "adapter_model.safetensors"))
-            renamed = {}
-            for key, tensor in saved.items():
-                inner = key.removeprefix("base_model.model.")
-                for part in (".lora_A.", ".lora_B."):
-                    inner = inner.replace(part, f"{part}{LIVE_ADAPTER}.")
-                renamed[f"model.{inner}"] = tensor
-            load_full(self.scorer, renamed)
+            load_full(self.scorer, {names.get(key, key): tensor for key, tensor in saved.items()})
         else:
             load_full(self.scorer, {f"model.{k}": v for k, v in load_file(str(policy / "model.safetensors")).items()})
 

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -97,21 +96,22 @@ class Sharded:
 
     @contextmanager
     def sharded(self) -> Iterator[None]:
-        """The sharded state for the block (the parameters are the optimiser's DTensors), gathered after."""
+        """The sharded state for the block (the parameters are the optimiser's DTensors), gathered after. An error
+        inside leaves them sharded: gathering is collective, and the other processes are not there to join."""
         self.shard()
-        try:
-            yield
-        finally:
-            self.gather()
+        yield
+        self.gather()
 
 
 def sharded_parameters(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s full state on the CPU of process 0 (empty elsewhere); collective when sharded."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state(module: nn.Module, trained_only: bool = False) -> dict[str, torch.Tensor]:
+    """``module``'s full state (``trained_only``: its trainable parameters') on the CPU of process 0, empty
+    elsewhere; collective when sharded."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trained_only)
+    return get_model_state_dict(module, options=options)
 
 
 @torch.no_grad()
@@ -138,12 +138,14 @@ def save_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, director
 
 
 def check_shards(directory: Path) -> None:
-    """Every shard the checkpoint's index names is in ``directory``: a process on another machine that wrote
-    into a directory of the same name on its own disk left a checkpoint no resume could read."""
+    """Every shard the checkpoint's index names is in ``directory`` (if the optimiser has stepped, so that there is
+    one): a process on another machine that wrote into a directory of the same name on its own disk left a
+    checkpoint no resume could read."""
+    if not directory.is_dir():
+        return
     index = dcp.FileSystemReader(str(directory)).read_metadata()
-    missing = sorted(
-        {info.relative_path for info in index.storage_data.values()} - {p.name for p in directory.iterdir()}
-    )
+    missing = sorted({info.relative_path for info in index.storage_data.values()})
+    missing = [name for name in missing if not (directory / name).is_file()]
     if missing:
         raise RepertoryError(
             f"optimizer shards {missing} are not in {directory}: the processes on other machines wrote them to "
@@ -152,19 +154,12 @@ def check_shards(directory: Path) -> None:
 
 
 def load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Restore what :func:`save_optimizer` wrote, on any process count. A checkpoint taken before the optimiser's
-    first step holds no moments; the initial ones stay, which AdamW's first step treats alike (any other missing
-    entry is an error)."""
+    """Restore what :func:`save_optimizer` wrote, on any process count."""
     if not directory.is_dir():
-        raise RepertoryError(
-            f"{directory.parent} holds no optimizer shards: it was written without model.sharding fsdp; resume it "
-            "with the sharding it was trained with"
-        )
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    stepped = any(key.startswith("optimizer.state.") for key in saved)
+        raise RepertoryError(f"{directory.parent} holds no optimizer shards ({directory.name}/ is missing)")
     state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
     with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=str(directory), planner=DefaultLoadPlanner(allow_partial_load=not stepped))
+        dcp.load(state, checkpoint_id=str(directory))
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
 
 
