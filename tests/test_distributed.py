@@ -3,19 +3,23 @@ metrics and trained adapter as one process, and only process 0 writes the run di
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import tiny_checkpoint
 from safetensors.torch import load_file
 
-from repertory.models import load_tokenizer
+from repertory.config import LoraConfig
+from repertory.models import load_model, load_tokenizer, save_checkpoint, tiny_model, weights
 from repertory.runs import RunDir
 from repertory.store import read_episodes
 from repertory.train import TIMING_PREFIXES
+from repertory.train.heads import with_lora
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +147,64 @@ def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, sharded_r
     _close(_tensors(straight, "adapter_model.safetensors"), _tensors(half, "adapter_model.safetensors"), tolerance)
     shards = [sorted(p.name for p in (c / "optimizer").glob("*.distcp")) for c in (first, last)]
     assert shards == [[f"__{r}_0.distcp" for r in range(n)] for n in (before, after)]
+
+
+GATHERED_SCRIPT = """
+import sys
+import torch
+from torch.distributed.tensor import DTensor
+from repertory.config import LoraConfig
+from repertory.models import load_model, weights
+from repertory.train import distributed
+from repertory.train.heads import with_lora
+from repertory.train.sharding import Scorer, Sharded
+
+distributed.initialise()
+model = with_lora(load_model(sys.argv[1], "cpu").model, LoraConfig(r=4), seed=0)
+sharded = Sharded([Scorer(model)])
+sharded.gather()
+read = weights(model)
+assert not any(isinstance(t, DTensor) for t in read.values()), "weights() read shards"
+assert not any(isinstance(p, DTensor) for p in model.parameters()), "weights() resharded the model"
+torch.save({k: v.clone() for k, v in read.items()}, f"{sys.argv[2]}/{distributed.rank()}.pt")
+sharded.shard()
+assert isinstance(next(iter(model.state_dict().values())), DTensor)  # why a sync must not call state_dict()
+"""
+
+
+def test_a_gathered_sharded_model_hands_a_weight_sync_its_full_weights(tmp_path):
+    """A weight sync (vLLM's) reads the gathered weights of the sharded learner on every process: the full
+    tensors of an unsharded model, and the layers stay gathered for sampling."""
+    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
+    script = tmp_path / "gathered.py"
+    script.write_text(GATHERED_SCRIPT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = subprocess.run(
+        [*argv, str(model), str(tmp_path)], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain = weights(with_lora(load_model(str(model), "cpu").model, LoraConfig(r=4), seed=0))
+    for rank in (0, 1):
+        read = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
+        assert read.keys() == plain.keys()
+        assert all(torch.equal(read[k], plain[k]) for k in plain), rank
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make test does)")
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--set", "model.sharding=fsdp", "--set", "model.lora.enabled=false"]],
+    ids=["data-parallel-lora", "fsdp-full"],
+)
+def test_every_process_samples_the_learners_weights_on_its_own_vllm_engine(tmp_path, extra):
+    """Each process of ``--gpus 2`` runs a vLLM engine of its own beside the learner, and after an update it
+    samples the weights the learner holds: the log-probs it records are the learner's (under fsdp, read from the
+    gathered layers; full fine-tuning rebuilds the CPU engine from them). vLLM's CPU kernels want heads of 32."""
+    tokenizer = load_tokenizer()
+    model = save_checkpoint(tiny_model(tokenizer, hidden=128, seed=2).model, tokenizer, tmp_path / "m")
+    run, _ = _train(tmp_path, model, "vllm", "--gpus", "2", "--set", "rollout.backend=vllm", *extra)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [0, 1]
+    assert lines[1]["kl"] > 1e-3  # the second iteration was sampled after a real update
+    assert all(line["offpolicy/max_gap"] < 1e-4 for line in lines)
+    assert "final/outcome" in lines[-1]

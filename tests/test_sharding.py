@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig, load_config
-from repertory.models import load_tokenizer, tiny_model
+from repertory.models import load_tokenizer, tiny_model, weights
 from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
+from repertory.train.heads import with_lora
 from repertory.train.learner import Learner
 from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
 from repertory.types import RepertoryError
@@ -36,7 +37,6 @@ def _config(tmp_path, name, *extra):
     ("extra", "refused"),
     [
         (["method.kind=mt-sft", "method.logs=x.jsonl"], "method kind mt-sft"),
-        (["rollout.backend=vllm"], "rollout.backend vllm"),
         (["rollout.env=craigslist", "model.adapters=per_role"], "model.adapters per_role"),
         (["rollout.workers=2"], "rollout.workers"),
         (["rollout.max_staleness=1"], "rollout.max_staleness"),
@@ -106,3 +106,16 @@ def test_a_checkpoint_before_the_first_step_resumes_a_fresh_optimizer(tmp_path):
     assert torch.load(tmp_path / "checkpoint" / "optimizer.pt", weights_only=True)["optimizer_stepped"] is False
     loading.load(tmp_path / "checkpoint")
     assert not loading.optimizer.state
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_weights_read_without_hooks_are_the_state_dict(lora):
+    """What a weight sync reads (models.weights) is the module's state dict: the same names, tied ones included,
+    and the same tensors; test_distributed checks that it leaves gathered FSDP layers gathered."""
+    model = tiny_model(load_tokenizer()).model
+    if lora:
+        model = with_lora(model, LoraConfig(r=4), seed=0)
+    state, read = model.state_dict(), weights(model)
+    assert list(read) == list(state)
+    assert all(torch.equal(read[k], state[k]) for k in state)
+    assert any(k.endswith("lm_head.weight") for k in read) and any(k.endswith("embed_tokens.weight") for k in read)

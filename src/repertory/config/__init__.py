@@ -164,8 +164,6 @@ class TrainConfig(_Section):
             return self
         unsupported = {
             f"method kind {self.method.kind} (a round method)": self.round_based,
-            f"rollout.backend {self.rollout.backend} (its weight sync reads unsharded weights)": self.rollout.backend
-            != "hf",
             f"model.adapters {self.model.adapters}": self.model.adapters != "shared",
             "rollout.workers": bool(self.rollout.workers),
             "rollout.max_staleness": bool(self.rollout.max_staleness),

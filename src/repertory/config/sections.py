@@ -53,7 +53,7 @@ class ModelConfig(_Section):
         description="none: data-parallel processes (--gpus N) each hold the whole learner; fsdp: the weights, "
         "gradients and AdamW moments of the update are sharded over them (FSDP2), the weights gathered again for "
         "sampling; its checkpoints keep the optimizer as shards that resume on any process count. Needs an online "
-        "method, the hf backend, shared adapters, no rollout.workers, max_staleness or pool opponent.",
+        "method, shared adapters, no rollout.workers, max_staleness or pool opponent.",
     )
 
 

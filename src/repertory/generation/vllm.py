@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from repertory.generation.core import (
     ENOUGH_EVERY,
@@ -61,7 +62,7 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
-from repertory.models import LoadedModel, base_weights, save_checkpoint
+from repertory.models import LoadedModel, base_weights, weights
 from repertory.models.adapters import merged_weights
 from repertory.types import RepertoryError
 
@@ -198,7 +199,7 @@ class VLLMBackend(TokenizedChoices):
 
     def _engine(self) -> LLM:
         max_model_len, max_loras, engine_args = self._settings
-        base = self._workdir / f"base-{next(self._ids)}"  # save_checkpoint keeps a directory that exists
+        base = self._workdir / f"base-{next(self._ids)}"  # an engine's own: its shutdown deletes it
         _save_base_weights(self.loaded, base)
         on_gpu = self.loaded.device.type == "cuda"
         args: dict[str, Any] = {
@@ -218,6 +219,10 @@ class VLLMBackend(TokenizedChoices):
             args.update(gpu_memory_utilization=0.5, enable_sleep_mode=True)
         else:
             args.update(enforce_eager=True, kv_cache_memory_bytes=2 << 30)
+        if _launched():
+            # one engine per process of the launcher's group, on the process's own device (LOCAL_RANK), each
+            # sampling its own episodes: vLLM's data parallelism outside the engine
+            args.update(distributed_executor_backend="external_launcher")
         if self.peft is not None and self.lora_mode == "requests":
             lora = self.peft.peft_config[self.peft.active_adapters[0]]
             args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=_lora_rank(lora.r))
@@ -377,7 +382,7 @@ class VLLMBackend(TokenizedChoices):
             self.llm = self._engine()
             _OPEN.add(id(self))
             return
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        state = weights(self.model)
         self.llm.apply_model(lambda model: model.load_weights(iter(state.items())))
         self.llm.reset_prefix_cache()
 
@@ -407,9 +412,10 @@ class VLLMBackend(TokenizedChoices):
         shutil.rmtree(self.llm.llm_engine.model_config.model, ignore_errors=True)
         client = self.llm.llm_engine.engine_core
         _OPEN.discard(id(self))
-        if _OPEN:
-            # A shut-down engine tears down the process's distributed state, which the other engines still use:
-            # release this one's executor and scheduler only (and keep its finaliser from tearing down later).
+        if _OPEN or _launched():
+            # A shut-down engine tears down the process's distributed state, which the other engines (or the
+            # data-parallel learner) still use: release this one's executor and scheduler only (and keep its
+            # finaliser from tearing down later).
             client._finalizer.detach()
             client.engine_core.model_executor.shutdown()
             client.engine_core.scheduler.shutdown()
@@ -434,13 +440,26 @@ def _lora_rank(r: int) -> int:
     raise ValueError(f"LoRA rank {r} is above vLLM's largest (512)")
 
 
+def _launched() -> bool:
+    """This process is one of a launcher's group (``repertory train --gpus N``, torchrun)."""
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
-    """A Hugging Face directory of the weights under the adapters (the engine loads its base from it)."""
-    if loaded.peft is None:
-        save_checkpoint(loaded.model, loaded.tokenizer, directory)
-        return
+    """A Hugging Face directory of the weights under the adapters (the engine loads its base from it). Written
+    here rather than by ``save_pretrained``, which writes weights on process 0 of a process group only, where
+    every process of data-parallel training builds an engine of its own."""
     directory.mkdir(parents=True, exist_ok=True)
-    loaded.model.save_pretrained(str(directory), state_dict=base_weights(loaded))
+    tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
+    for name, tensor in base_weights(loaded).items():
+        if tensor.data_ptr() not in stored:  # a tied weight once: the config ties it again
+            stored.add(tensor.data_ptr())
+            tensors[name] = tensor.detach().contiguous().cpu()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    loaded.model.config.save_pretrained(str(directory))
+    if loaded.model.generation_config is not None:
+        loaded.model.generation_config.save_pretrained(str(directory))
     loaded.tokenizer.save_pretrained(str(directory))
 
 
@@ -460,10 +479,9 @@ def _quiet_reload() -> Iterator[None]:
 def _save_adapter(peft: Any, name: str, directory: Path) -> None:
     """One adapter of the PEFT model in PEFT's own file format, which vLLM loads."""
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = get_peft_model_state_dict(peft, adapter_name=name)
-    weights = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(weights, str(directory / "adapter_model.safetensors"))
+    tensors = get_peft_model_state_dict(peft, state_dict=weights(peft), adapter_name=name)
+    saved = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(saved, str(directory / "adapter_model.safetensors"))
     peft.peft_config[name].save_pretrained(str(directory))

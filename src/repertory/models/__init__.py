@@ -137,10 +137,23 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return directory
 
 
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict (every path to a parameter or persistent buffer, tied ones under each name), read
+    without the state-dict hooks: those of the sharded learner's FSDP units would switch a gathered layer back
+    to its shards (:mod:`repertory.train.sharding`), where a weight sync wants the gathered tensors."""
+    state = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        state.update({prefix + name: p.detach() for name, p in sub._parameters.items() if p is not None})
+        kept = {name: b for name, b in sub._buffers.items() if name not in sub._non_persistent_buffers_set}
+        state.update({prefix + name: b for name, b in kept.items() if b is not None})
+    return state
+
+
 def base_weights(loaded: LoadedModel) -> dict[str, torch.Tensor]:
     """The state dict of the weights under the LoRA adapters (the model's own state dict without LoRA), with
     the names a plain model of its architecture loads."""
-    state = loaded.model.state_dict()
+    state = weights(loaded.model)
     if loaded.peft is None:
         return state
     lora = (".lora_", "lora_magnitude")
