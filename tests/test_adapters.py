@@ -3,6 +3,7 @@ and the learner), isolation of each role's update, checkpoints that resume exact
 
 import json
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,7 +18,9 @@ from repertory.models import LoadedModel, load_model, load_tokenizer, tiny_model
 from repertory.models.adapters import BASE_ROW, per_row_adapters
 from repertory.models.checkpoints import export_policy
 from repertory.runs import RunDir
-from repertory.serve.app import load_served_policy
+from repertory.serve import ServeOptions
+from repertory.serve.app import ServerThread, load_served_policy
+from repertory.store.served import ServedLog
 from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
 from repertory.train.heads import with_lora
@@ -235,7 +238,7 @@ def test_a_per_role_run_trains_every_role_resumes_exactly_and_exports_a_model_pe
         assert all(torch.equal(trained[adapter][k], other[adapter][k]) for k in trained[adapter])
 
 
-def test_a_per_role_checkpoint_plays_exports_and_is_refused_by_serve(tmp_path, tokenizer, monkeypatch):
+def test_a_per_role_checkpoint_plays_exports_and_serves_one_role(tmp_path, tokenizer, monkeypatch):
     trainer = start_run(_config(tmp_path, "played", "iterations=1", "eval.episodes=0"), tiny_model(tokenizer, seed=2))
     run_dir = trainer.fit()
     checkpoint = RunDir(run_dir).complete_checkpoints()[-1]
@@ -273,10 +276,33 @@ def test_a_per_role_checkpoint_plays_exports_and_is_refused_by_serve(tmp_path, t
     a, b = (load_model(str(exported / x)).model.state_dict() for x in ROLE_ADAPTERS)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # one model per role, not one model twice
 
-    with pytest.raises(RepertoryError, match="export it"):
-        load_served_policy(str(run_dir))
     with pytest.raises(RepertoryError, match="already exists"):
         export_policy(run_dir, tmp_path / "export")
+
+    with pytest.raises(RepertoryError, match=r"no --adapter\): serve one with --adapter ROLE \(proposer, responder\)"):
+        load_served_policy(str(run_dir))
+    with pytest.raises(RepertoryError, match="--adapter 'dealer'"):
+        load_served_policy(str(run_dir), adapter="dealer")
+    with pytest.raises(RepertoryError, match="picks an adapter of a run"):
+        load_served_policy("base", adapter="responder")
+    served = load_served_policy(str(run_dir), adapter="role-responder")  # the adapter's own name works too
+    assert (served.name, served.policy_id, served.adapter) == (
+        f"{run_dir.name}@1/responder",
+        "snapshot@1/responder",
+        "role-responder",
+    )
+    asked = []
+    generate = served.backend.generate
+    monkeypatch.setattr(
+        served.backend, "generate", lambda *a, **k: asked.append(k.get("adapters")) or generate(*a, **k)
+    )
+    with ServerThread(
+        served, ServeOptions(port=0), ServedLog(tmp_path / "log", served.name, served.policy_id, len(tokenizer))
+    ) as url:
+        body = {"model": served.name, "messages": [{"role": "user", "content": "Deal?"}], "max_tokens": 4}
+        answer = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert asked == [["role-responder"]]  # every row of the server's batch through the responder's adapter
 
 
 def test_a_model_with_every_role_adapter_active_refuses_rows_that_name_none(tokenizer):

@@ -34,6 +34,9 @@ def serve(
     model: str = typer.Option("smollm2", "--model", help="base: the model (embedded SmolLM2, or a checkpoint dir)."),
     env: str | None = typer.Option(None, "--env", help="Play a seat of this game: apply its system prompt."),
     role: str | None = typer.Option(None, "--role", help="--env: the seat (a role name or label) the model plays."),
+    adapter: str | None = typer.Option(
+        None, "--adapter", help="A per-role (per-team) run: the role (team) whose adapter answers, e.g. vendor."
+    ),
     max_tokens: int = typer.Option(4096, "--max-tokens", help="The largest max_tokens a request may ask for."),
     max_messages: int = typer.Option(256, "--max-messages", help="The most messages one request may hold."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", help="The largest request body, in MiB."),
@@ -65,7 +68,7 @@ def serve(
     from repertory.serve.app import serve as run_server
     from repertory.store.served import ServedLog
 
-    served = load_served_policy(policy, backend, model, device, name)
+    served = load_served_policy(policy, backend, model, device, name, adapter)
     directory = log_dir or (RunDir(served.run_dir).served if served.run_dir is not None else Path("served"))
     served_log = ServedLog(directory, served.name, served.policy_id, len(served.backend.tokenizer))
 

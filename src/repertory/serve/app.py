@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from repertory.envs.roles import RoleAdapters
 from repertory.generation import Backend, SamplingParams, make_backend
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
@@ -60,26 +61,34 @@ class ServedPolicy:
     name: str
     policy_id: str
     run_dir: Path | None = None  # the run it was trained in (its log goes to RUN/served by default)
+    adapter: str | None = None  # of a run with one adapter per role or team: the one that answers
 
 
 def load_served_policy(
-    spec: str, backend: str | None = None, model: str = EMBEDDED, device: str | None = None, name: str | None = None
+    spec: str,
+    backend: str | None = None,
+    model: str = EMBEDDED,
+    device: str | None = None,
+    name: str | None = None,
+    adapter: str | None = None,
 ) -> ServedPolicy:
     """The policy ``spec`` names, sampled by the ``backend`` engine: ``base`` (``model``, the embedded one unless
     given), a run or checkpoint directory (its trained policy, frozen, on its run's engine unless ``backend``
-    says otherwise), or ``model:PATH`` (a Hugging Face checkpoint directory)."""
+    says otherwise; of a run with one adapter per role or team, the ``adapter`` of a role or team), or
+    ``model:PATH`` (a Hugging Face checkpoint directory)."""
     path = spec.removeprefix("model:")
+    if adapter is not None and (spec == "base" or not is_run_or_checkpoint(path)):
+        raise RepertoryError(f"serve: --adapter picks an adapter of a run; {spec} is not a run or checkpoint")
     if spec != "base" and is_run_or_checkpoint(path):
         checkpoint, config = resolve_checkpoint(path)
         run = RunDir.of_checkpoint(checkpoint)
-        if config.model.adapters != "shared":
-            raise RepertoryError(
-                f"serve: {spec} keeps one adapter per {config.model.adapters.removeprefix('per_')} and a chat names no "
-                f"seat; export it (repertory export {spec} --out DIR) and serve one of them as model:DIR/<adapter>"
-            )
+        key, chosen = _served_adapter(spec, config.rollout.env, config.model.adapters, adapter)
         engine = make_backend(backend or config.rollout.backend, load_policy(checkpoint, config, device))
         step = int(checkpoint.name)
-        return ServedPolicy(engine, name or f"{run.name}@{step}", f"snapshot@{step}", run.root)
+        suffix = f"/{key}" if key is not None else ""
+        return ServedPolicy(
+            engine, name or f"{run.name}@{step}{suffix}", f"snapshot@{step}{suffix}", run.root, adapter=chosen
+        )
     if spec == "base":
         return ServedPolicy(make_backend(backend or "hf", load_model(model, device)), name or "base", "base")
     if spec.startswith("model:") and path:
@@ -88,6 +97,26 @@ def load_served_policy(
         engine = make_backend(backend or "hf", load_model(path, device))
         return ServedPolicy(engine, name or Path(path).name, f"model:{Path(path).name}")
     raise RepertoryError(f"serve: {spec!r} is not base, a run or checkpoint directory, or model:PATH")
+
+
+def _served_adapter(spec: str, env: str, mode: str, asked: str | None) -> tuple[str | None, str | None]:
+    """(role or team, adapter name) of the adapter a run with ``model.adapters: mode`` serves; (None, None) for
+    a shared adapter."""
+    roles = RoleAdapters.of(env, mode)
+    if roles is None:
+        if asked is not None:
+            raise RepertoryError(f"serve: {spec} trained one shared adapter; --adapter picks one of a per-role run's")
+        return None, None
+    keys = {**roles.names, **{name: name for name in roles.adapters}}
+    if asked not in keys:
+        chosen = "no --adapter" if asked is None else f"--adapter {asked!r}"
+        raise RepertoryError(
+            f"serve: {spec} keeps one adapter per {roles.by} and a chat names no seat ({chosen}): serve one with "
+            f"--adapter {roles.by.upper()} ({', '.join(roles.names)}), or export them (repertory export {spec} "
+            "--out DIR) and serve model:DIR/<adapter>"
+        )
+    key = next(k for k, name in roles.names.items() if name == keys[asked])
+    return key, keys[asked]
 
 
 def _error_response(error: ServeError) -> JSONResponse:
@@ -183,7 +212,7 @@ def create_app(
     policy: ServedPolicy, options: ServeOptions, served_log: ServedLog, seat: SeatPrompt | None = None
 ) -> FastAPI:
     """The FastAPI application serving ``policy``: one generation thread, routes that validate and queue."""
-    batcher = Batcher(policy.backend, served_log, options.max_pending)
+    batcher = Batcher(policy.backend, served_log, options.max_pending, policy.adapter)
     context = _context_length(policy.backend)
     started = int(time.time())
 

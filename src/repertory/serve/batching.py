@@ -50,8 +50,9 @@ class Job:
 class Batcher:
     """The generation thread: drains the queue each tick, samples, logs the tick as one part, answers."""
 
-    def __init__(self, backend: Backend, served_log: ServedLog, max_pending: int):
-        self.backend, self.log = backend, served_log
+    def __init__(self, backend: Backend, served_log: ServedLog, max_pending: int, adapter: str | None = None):
+        """``adapter``: the LoRA adapter every row runs through (a per-role run's); None: the backend's own."""
+        self.backend, self.log, self.adapter = backend, served_log, adapter
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_pending)
         self.ticks = self.completions = 0
         self._stop = threading.Event()
@@ -120,6 +121,7 @@ class Batcher:
                     None,
                     [j.cache_key for j in group],
                     [j.enough for j in group],
+                    **({"adapters": [self.adapter] * len(group)} if self.adapter is not None else {}),
                 )
             except Exception as exc:  # one bad batch fails its requests, never the server
                 log.exception("generation failed")
