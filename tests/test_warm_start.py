@@ -4,6 +4,7 @@ cached and shared by every run it would be the same for."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import tiny_checkpoint
@@ -86,6 +87,9 @@ def test_a_run_starts_from_its_warm_start_built_once(tmp_path, tokenizer):
     assert second.config.model.name == trainer.config.model.name  # found in the cache, not rebuilt
     assert (directory / "model" / "config.json").stat().st_mtime_ns == built
     assert warm_started(config) == directory / "model"
+    (directory / "model" / "model.safetensors").unlink()  # as a disk that lost the large files would leave it
+    with pytest.raises(RepertoryError, match=re.escape(f"has lost its weights; delete {directory} to rebuild it")):
+        warm_started(config)
 
 
 @pytest.mark.slow

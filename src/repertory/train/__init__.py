@@ -61,6 +61,10 @@ def warm_started(
     directory = warm.warm_dir(config)
     model = directory / warm.MODEL
     if (model / "config.json").is_file():
+        if not any(model.glob("*.safetensors")):  # the export is atomic: these files went missing afterwards
+            raise RepertoryError(
+                f"the cached warm start {model} has lost its weights; delete {directory} to rebuild it"
+            )
         return model
     if distributed.world_size() > 1:
         raise RepertoryError(f"the warm start {directory} is not built yet; build it with one process first")
