@@ -169,7 +169,9 @@ def test_a_batch_larger_than_one_prefill_step(tokenizer):
     """Whole prefills: a batch whose prompts exceed the engine's tokens per step still samples each row as alone
     (with per-request seeds a split prefill crashes vLLM's CPU sampler)."""
     loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=5)
+    assert loaded.model.config.architectures is None  # an in-memory model's config names no class
     backend = make_backend("vllm", loaded, max_model_len=512)
+    assert backend.llm.llm_engine.model_config.architectures == ["LlamaForCausalLM"]  # so the base names it
     prompts = [tokenizer.encode(f"Seat {i} speaks. " * 60)[:400] for i in range(6)]  # 2,400 tokens > 512 per step
     params = SamplingParams(max_new_tokens=8)
     together = backend.generate(prompts, params, list(range(6)))

@@ -35,6 +35,7 @@ prefix cache.
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import logging
@@ -453,11 +454,14 @@ def _save_base_weights(loaded: LoadedModel, directory: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     stored: set[int] = set()
     for name, tensor in base_weights(loaded).items():
-        if tensor.data_ptr() not in stored:  # a tied weight once: the config ties it again
-            stored.add(tensor.data_ptr())
-            tensors[name] = tensor.detach().contiguous().cpu()
+        if tensor.numel() and tensor.data_ptr() in stored:  # a tied weight once: the config ties it again
+            continue
+        stored.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous().cpu()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    loaded.model.config.save_pretrained(str(directory))
+    config = copy.deepcopy(loaded.model.config)
+    config.architectures = [type(loaded.model).__name__]  # what vLLM builds (an in-memory model's config has none)
+    config.save_pretrained(str(directory))
     if loaded.model.generation_config is not None:
         loaded.model.generation_config.save_pretrained(str(directory))
     loaded.tokenizer.save_pretrained(str(directory))

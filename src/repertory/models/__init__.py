@@ -140,13 +140,14 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s state dict (every path to a parameter or persistent buffer, tied ones under each name), read
     without the state-dict hooks: those of the sharded learner's FSDP units would switch a gathered layer back
-    to its shards (:mod:`repertory.train.sharding`), where a weight sync wants the gathered tensors."""
+    to its shards (:mod:`repertory.train.sharding`), where a weight sync wants the gathered tensors. Modules
+    with extra state or their own ``_save_to_state_dict`` (quantised layers) are out of its scope."""
     state = {}
     for path, sub in module.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         state.update({prefix + name: p.detach() for name, p in sub._parameters.items() if p is not None})
         kept = {name: b for name, b in sub._buffers.items() if name not in sub._non_persistent_buffers_set}
-        state.update({prefix + name: b for name, b in kept.items() if b is not None})
+        state.update({prefix + name: b.detach() for name, b in kept.items() if b is not None})
     return state
 
 
