@@ -35,6 +35,7 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads: Llama-style shapes o
 
 
 def random_model(tokenizer, size: str, device: str) -> LoadedModel:
+    """A randomly initialised Llama-style model of ``size`` (bfloat16 on a GPU)."""
     hidden, intermediate, layers, heads, kv_heads = SIZES[size]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -50,9 +51,10 @@ def random_model(tokenizer, size: str, device: str) -> LoadedModel:
         pad_token_id=tokenizer.pad_token_id,
     )
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    return LoadedModel(model, tokenizer, f"random-{size}")
+    torch.manual_seed(0)  # every process of a launcher builds the same weights
+    with torch.device(device):  # built where it runs: a 7B model never passes through host memory
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return LoadedModel(model.eval(), tokenizer, f"random-{size}")
 
 
 def throughput(loaded: LoadedModel, kind: str, batch: int, new_tokens: int) -> dict[str, float]:

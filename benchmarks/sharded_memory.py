@@ -24,10 +24,6 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # hidden, intermediate, layers, heads, key/value heads
-    "1.5b": (1536, 8960, 28, 12, 2),
-    "7b": (3584, 18944, 28, 28, 4),
-}
 WORKLOAD = [
     "iterations=1",
     "model.lora.enabled=false",
@@ -39,39 +35,12 @@ WORKLOAD = [
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--processes", type=int, default=2)
-parser.add_argument("--shape", choices=["smollm2", *SHAPES], default="smollm2")
+parser.add_argument("--shape", choices=["smollm2", "1.5b", "7b"], default="smollm2")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--set", dest="overrides", action="append", default=[])
 parser.add_argument("--worker", help=argparse.SUPPRESS)  # the sharding one launched process measures
 parser.add_argument("--out", help=argparse.SUPPRESS)
 args = parser.parse_args()
-
-
-def random_model(shape: str, device: str):
-    """A randomly initialised model of ``shape`` in the embedded architecture (bfloat16 on a GPU)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from repertory.models import LoadedModel, load_tokenizer
-
-    tokenizer = load_tokenizer()
-    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)  # every process builds the same weights
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return LoadedModel(model.eval(), tokenizer, f"random-{shape}")
 
 
 def reset_peak(device: str) -> None:
@@ -91,7 +60,10 @@ def held_mb(device: str, field: str = "VmRSS:") -> float:
 
 def worker(sharding: str, out: Path) -> None:
     """One launched process: an iteration's rollouts, then the learner's phase measured."""
+    from gpu import random_model  # benchmarks/gpu.py, beside this script
+
     from repertory.config import load_config
+    from repertory.models import load_tokenizer
     from repertory.train import distributed, start_run
     from repertory.train.batch import collect
 
@@ -99,7 +71,7 @@ def worker(sharding: str, out: Path) -> None:
     device = args.device if not args.device.startswith("cuda") else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     overrides = [*WORKLOAD, *args.overrides, f"model.sharding={sharding}", f"model.device={device}"]
     overrides += [f"output_dir={out / 'runs'}", f"name={sharding}"]
-    loaded = None if args.shape == "smollm2" else random_model(args.shape, device)
+    loaded = None if args.shape == "smollm2" else random_model(load_tokenizer(), args.shape, device)
     trainer = start_run(load_config(None, overrides), loaded)
     algo = trainer.config.algo
     episodes, _ = trainer.rollouts(0)
