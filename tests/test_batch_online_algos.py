@@ -25,7 +25,7 @@ from repertory.algos.offline import (
     q_values,
     soft_update,
 )
-from repertory.stats import format_mean_se, seed_summary
+from repertory.stats import format_mean_se, plus_minus, seed_summary
 from repertory.types import RepertoryError
 
 TOL = 1e-4
@@ -150,6 +150,13 @@ def test_q5_seed_summary_and_its_print():
     assert format_mean_se(12.0, 1.234) == "12.00 ± 1.23"
     with pytest.raises(RepertoryError):
         seed_summary([])
+
+
+def test_plus_minus_shows_no_standard_error_for_one_value_and_no_exponents():
+    assert plus_minus(0.8, 0.02, 16) == "0.800 ± 0.020"
+    assert plus_minus(629.4, 250.31, 3) == "629.4 ± 250.3"  # not 2.5e+02
+    assert plus_minus(14.0, 0.0, 1) == "14.00 (n = 1)"  # one game has no standard error, not "± 0"
+    assert plus_minus(0.18, 0.0, 1, 4) == "0.1800 (n = 1)"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 
 import pytest
+from conftest import play
 from conftest import run_cli as run
 
+from repertory.eval.scores import summarize
 from repertory.store import EpisodeStore
 
 
@@ -63,9 +66,9 @@ def test_play_prints_transcripts_with_each_role_view_and_summary(capsys):
     assert code == 0
     assert "Alice sees │ Round 1 of 10. Your hand:" in out or "Bob sees │ Round 1 of 10. Your hand:" in out
     assert "Bob ▸ I'd like to keep all ten coins this round." in out
-    assert "2 episode(s)" in out and "collective_payoff_normalized" in out
+    assert "trust-and-split: 2 episodes" in out and "collective_payoff_normalized" in out
     code, out, _ = run(capsys, "play", "ipd", "-a", "random,random", "-n", "3", "--quiet")
-    assert code == 0 and "sees" not in out and "3 episode(s)" in out
+    assert code == 0 and "sees" not in out and "3 episodes" in out
 
 
 def test_play_json_writes_one_object_per_episode_and_store(capsys, tmp_path):
@@ -89,7 +92,7 @@ def test_play_json_writes_one_object_per_episode_and_store(capsys, tmp_path):
     assert all(0 <= r["metrics"]["split_efficiency"] <= 1 for r in records)
     episodes, errors = EpisodeStore(tmp_path / "eps").load()
     assert errors == [] and [e.summary() for e in episodes] == records
-    assert "wrote 4 episode(s)" in err
+    assert "wrote 4 episodes" in err
 
 
 def test_same_seed_same_output(capsys):
@@ -150,3 +153,103 @@ def test_module_entry_point_exits_2_without_traceback():
         "error: unknown environment 'nope'; known: ipd, split-no-comm, trust-and-split, craigslist, ultimatum, "
         "deal-or-no-deal, casino, job-interview, alliance, werewolf, social"
     )
+
+
+@pytest.mark.parametrize(
+    "env,agents", [("werewolf", ["heuristic"] * 6), ("social", ["agreeable", "quiet", "agreeable"])]
+)
+def test_play_games_whose_kernels_name_the_seats_summarises_and_stores_every_game(capsys, tmp_path, env, agents):
+    code, out, err = run(capsys, "play", env, "--agents", ",".join(agents), "-n", "3", "-q", "--out", str(tmp_path))
+    assert code == 0 and "wrote 3 episodes" in err
+    episodes, errors = EpisodeStore(tmp_path).load()
+    assert errors == [] and len(episodes) == 3
+    assert len({tuple(s.name for s in ep.seats) for ep in episodes}) == 3  # every kernel names its seats anew
+    assert f"{env}: 3 episodes" in out and "│ p0   │" in out and "per game role" in out
+    if env == "werewolf":  # both teams' records: every game is won by one of them or drawn
+        assert "village" in out and "wolves" in out
+
+
+def test_play_summary_keys_seats_by_position_with_games_and_outcomes():
+    episodes = play("werewolf", ["heuristic"] * 6, episodes=3)
+    stats = summarize(episodes)
+    assert list(stats.outcome) == [f"p{i}" for i in range(6)] and stats.games == dict.fromkeys(stats.outcome, 3)
+    first = [ep.result.roles[ep.seats[0].name].outcome for ep in episodes]
+    assert stats.outcome["p0"][0] == pytest.approx(sum(first) / 3)
+
+
+def test_play_social_with_two_agents_plays_the_two_person_scenarios(capsys, tmp_path):
+    code, _, _ = run(capsys, "play", "social", "-a", "agreeable,quiet", "-n", "6", "-q", "--out", str(tmp_path))
+    episodes, _ = EpisodeStore(tmp_path).load()
+    assert code == 0 and len(episodes) == 6 and all(len(ep.seats) == 2 for ep in episodes)
+    code, _, err = run(capsys, "play", "social", "-a", "agreeable", "-n", "1")
+    assert code == 2 and "social needs 2 to 3 agents" in err
+
+
+def test_episodes_are_stored_before_the_summary_can_fail(capsys, tmp_path, monkeypatch):
+    import repertory.cli.play as play_cli
+
+    def broken(episodes):
+        raise RuntimeError("summary failed")
+
+    monkeypatch.setattr(play_cli, "_print_summary", broken)
+    with pytest.raises(RuntimeError):
+        run(capsys, "play", "ipd", "-n", "2", "-q", "--out", str(tmp_path))
+    episodes, _ = EpisodeStore(tmp_path).load()
+    assert len(episodes) == 2
+
+
+MODEL_LOADS_AND_GAMES = [
+    ("repertory.agents.lm", "load_model"),
+    ("repertory.train.base", "load_model"),
+    ("repertory.models.checkpoints", "load_model"),
+    ("repertory.cli.play", "run_episodes"),
+    ("repertory.eval.crossplay", "play"),
+]
+"""Where a command loads a model or plays games: each refusal below must come before all of them."""
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["play", "ipd", "-a", "runs/nope,random"], "agent 'runs/nope': no run or checkpoint directory at runs/nope"),
+        (["play", "ipd", "-a", "model:/no/model,random"], "/no/model is not a Hugging Face checkpoint directory"),
+        (["play", "ipd", "-a", "model,random", "--model", "/no/model"], "--model: /no/model is not a Hugging Face"),
+        (["play", "ipd", "--out", "/proc/no/such"], "cannot create the episode store /proc/no/such"),
+        (["tournament", "-e", "werewolf", "-e", "social"], "cross-play needs a two-seat or two-team environment"),
+        (["tournament", "-e", "ipd", "-a", "random,nobody"], "unknown agent 'nobody' for ipd"),
+        (["eval", "base", "--env", "ipd", "--option", "reward=hybrid"], "ipd has no option 'reward'; it takes no"),
+        (["eval", "base", "--env", "ipd", "--vs", "runs/nope"], "no run or checkpoint directory at runs/nope"),
+        (["eval", "exploit", "--env", "ipd", "--victim", "runs/nope"], "--victim runs/nope: agent 'runs/nope': no run"),
+        (["train", "--set", "eval.opponent=nosuch"], "eval.opponent 'nosuch': unknown agent 'nosuch' for ipd"),
+        (["train", "--set", "eval.opponent=model"], "eval.opponent 'model': 'model' is ambiguous in training"),
+    ],
+)
+def test_user_errors_are_refused_before_any_game_or_model(capsys, monkeypatch, args, message):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loaded a model or played a game before refusing")
+
+    for module, name in MODEL_LOADS_AND_GAMES:
+        monkeypatch.setattr(importlib.import_module(module), name, forbidden)
+    code, out, err = run(capsys, *args)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_serve_refuses_a_busy_port_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    import repertory.serve.app
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loaded the model before binding the port")
+
+    monkeypatch.setattr(repertory.serve.app, "load_served_policy", forbidden)
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, _, err = run(capsys, "serve", "base", "--port", str(port))
+    assert code == 2 and f"error: cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+
+
+def test_envs_names_textarena_games(capsys):
+    code, out, _ = run(capsys, "envs")
+    assert code == 0 and "textarena:<EnvId>" in out and "repertory[textarena]" in out

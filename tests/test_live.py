@@ -78,12 +78,12 @@ def test_play_prints_each_turn_and_keeps_json_and_quiet(capsys, tokenizer, tmp_p
     common_args = ["play", "ipd", "-a", "model,tit-for-tat", "--model", str(tmp_path / "ckpt"), "-n", "2"]
     code, out, err = run_cli(capsys, *common_args, "--max-new-tokens", "12")
     assert code == 0 and err == ""
-    assert out.count("Alice ▸ ") == 20 and out.count("Bob ▸ <choose>") == 20 and "2 episode(s)" in out
+    assert out.count("Alice ▸ ") == 20 and out.count("Bob ▸ <choose>") == 20 and "2 episodes" in out
     code, out, _ = run_cli(capsys, *common_args, "--max-new-tokens", "12", "--json")
     records = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(records) == 2 and records[0]["seats"] == {"Alice": "model", "Bob": "tit-for-tat"}
     code, out, _ = run_cli(capsys, *common_args, "--max-new-tokens", "12", "--quiet")
-    assert code == 0 and "▸" not in out and "2 episode(s)" in out
+    assert code == 0 and "▸" not in out and "2 episodes" in out
 
 
 def test_evaluations_and_crossplay_count_games_on_a_terminal(capsys, monkeypatch):

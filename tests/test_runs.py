@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from repertory.config import load_config
+from repertory.config import load_config, recipe_name
 from repertory.runs import RunDir, new_run_dir, resolve_checkpoint
 from repertory.types import RepertoryError
 
@@ -90,6 +90,26 @@ def test_runs_are_named_after_their_method(tmp_path, recipe, overrides, prefix):
     run.create("seed: 0\n")
     second = new_run_dir(config)  # within the same second: a suffix, never the same folder
     assert second != run and second.name.startswith(prefix)
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,prefix",
+    [
+        ("ppo-ipd-vs-cooperator", [], "ppo-ipd-vs-cooperator_omar-ipd-"),
+        ("igrpo-craigslist", ["method.kind=mt-kto"], "igrpo-craigslist_mt-kto-craigslist-"),
+        ("default", [], "omar-ipd-"),  # the default recipe says nothing the method and game do not
+    ],
+)
+def test_runs_started_from_a_recipe_are_named_after_it_too(tmp_path, recipe, overrides, prefix):
+    config = load_config(recipe, [*overrides, f"output_dir={tmp_path}"])
+    run = new_run_dir(config.model_copy(update={"recipe": recipe_name(recipe)}))
+    assert run.name.startswith(prefix)
+
+
+def test_a_recipe_file_is_named_by_its_stem(tmp_path):
+    recipe = tmp_path / "my-sweep.yaml"
+    recipe.write_text("iterations: 1\n")
+    assert recipe_name(str(recipe)) == "my-sweep" and recipe_name("omar-ipd") == "omar-ipd"
 
 
 def test_a_run_directory_is_a_path_for_the_users_own_files(tmp_path):

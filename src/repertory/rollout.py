@@ -342,6 +342,25 @@ def _act(agent: Agent, requests: list[Request]) -> list[Response]:
     return responses
 
 
+def seatable(
+    cls: type[Env], kernels: list[Kernel], n_agents: int, kernel_index: int | None = None, hint: str = ""
+) -> list[int]:
+    """The indices of the kernels ``n_agents`` agents can play: all of them with one agent per seat of the game's
+    largest table; with fewer agents (a game whose kernels seat different numbers), those that seat no more.
+    ``hint`` ends the message of a line-up of the wrong size."""
+    seats = [len(cls.seat_names(k.data)) for k in kernels]
+    fewest = min(seats)
+    if not fewest <= n_agents <= len(cls.roles):
+        needed = str(len(cls.roles)) if fewest == len(cls.roles) else f"{fewest} to {len(cls.roles)}"
+        message = f"{cls.name} needs {needed} agents, one per seat ({', '.join(cls.roles)}); got {n_agents}"
+        raise RepertoryError(message + (f"; {hint}" if hint else ""))
+    if kernel_index is not None and not 0 <= kernel_index < len(kernels):
+        raise RepertoryError(f"kernel index must be in 0..{len(kernels) - 1} (got {kernel_index})")
+    if kernel_index is not None and seats[kernel_index] > n_agents:
+        raise RepertoryError(f"kernel {kernel_index} of {cls.name} seats {seats[kernel_index]}; give as many agents")
+    return [k for k, n in enumerate(seats) if n <= n_agents]
+
+
 def schedule(
     env: str,
     agents: list[Agent],
@@ -353,19 +372,15 @@ def schedule(
     env_options: dict[str, Any] | None = None,
 ) -> list[EpisodeSpec]:
     """Episodes of ``env`` with the same line-up: kernels drawn without replacement per pass
-    through the split (shuffled by ``seed``), or all on ``kernel_index``; seeds derived from ``seed``.
+    through the split (shuffled by ``seed``), or all on ``kernel_index``; seeds derived from ``seed``. A line-up
+    shorter than the game's largest table plays the kernels that seat it (two agents: two-person scenarios).
     ``env_options`` are the game's options (and may define its kernels: a user's social scenarios).
     """
     cls = env_class(env)
     if episodes < 1:
         raise RepertoryError(f"the number of episodes must be at least 1 (got {episodes})")
-    if len(agents) != len(cls.roles):
-        raise RepertoryError(
-            f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}); got {len(agents)}"
-        )
     kernels = load_kernels(env, split, env_options)
-    if kernel_index is not None and not 0 <= kernel_index < len(kernels):
-        raise RepertoryError(f"kernel index must be in 0..{len(kernels) - 1} (got {kernel_index})")
+    playable = seatable(cls, kernels, len(agents), kernel_index)
     order: list[int] = []
     shuffler = random.Random(derive(seed, iteration, "kernels", env, split))
     specs = []
@@ -374,7 +389,7 @@ def schedule(
             k = kernel_index
         else:
             if not order:
-                order = list(range(len(kernels)))
+                order = list(playable)
                 shuffler.shuffle(order)
             k = order.pop(0)
         specs.append(

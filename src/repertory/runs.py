@@ -218,7 +218,9 @@ class RunDir:
 
 
 def new_run_dir(config: TrainConfig) -> RunDir:
-    """A fresh run directory under ``output_dir`` (the name, or <method>-<env>-<timestamp>)."""
+    """A fresh run directory under ``output_dir``: the name, or <method>-<env>-<timestamp> after
+    ``<recipe>_`` when the run comes from a recipe other than the default (the recipe finds the run, the method
+    and game say what it trains, an override included)."""
     root = Path(config.output_dir)
     if config.name:
         path = root / config.name
@@ -227,6 +229,8 @@ def new_run_dir(config: TrainConfig) -> RunDir:
         return RunDir(path)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = f"{config.method_name}-{config.rollout.env}-{stamp}"
+    if config.recipe not in (None, "default"):
+        base = f"{config.recipe}_{base}"
     path, n = root / base, 2
     while path.exists():
         path, n = root / f"{base}-{n}", n + 1

@@ -51,6 +51,17 @@ def format_mean_se(value: float, se: float, digits: int = 2) -> str:
     return f"{value:.{digits}f} ± {se_text}"
 
 
+def plus_minus(value: float, se: float, n: int, decimals: int | None = None) -> str:
+    """"mean ± SE" with both at the same decimals (by default three, fewer for values of 10 and 100 or more); a
+    mean of one value has no standard error and reads "mean (n = 1)", never "± 0"."""
+    if decimals is None:
+        scale = max(abs(value), abs(se)) if math.isfinite(value) and math.isfinite(se) else 0.0
+        decimals = 1 if scale >= 100 else 2 if scale >= 10 else 3
+    if n < 2:
+        return f"{value:.{decimals}f} (n = {n})"
+    return f"{value:.{decimals}f} ± {se:.{decimals}f}"
+
+
 def quantile(xs: list[float], q: float) -> float:
     """numpy.quantile's default: linear interpolation between order statistics, from the nearer one as numpy
     does, so cutoffs match numpy to the bit."""

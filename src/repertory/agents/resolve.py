@@ -17,8 +17,10 @@ Specs, for an environment:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, RemoteAgent, ScriptAgent, agent_names
@@ -26,7 +28,7 @@ from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
 from repertory.envs.roles import RoleAdapters
 from repertory.generation import SamplingParams, make_backend
-from repertory.models import LoadedModel
+from repertory.models import EMBEDDED, LoadedModel
 from repertory.models.checkpoints import load_policy
 from repertory.remote import ChatClient, Endpoint, openai_spec
 from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
@@ -44,46 +46,82 @@ class LivePolicy:
     engine: str = "hf"  # the generation backend that samples it (``rollout.backend``)
 
 
-def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live: LivePolicy | None = None) -> Agent:
-    """The agent ``spec`` names for ``env`` (see the module docstring); ``options`` configure language models,
-    ``live`` is the trainer's policy. An unknown spec raises one line naming the accepted forms."""
-    options = options or LMOptions()
+def spec_kind(spec: str, env: type[Env], options: LMOptions | None = None) -> str:
+    """What ``spec`` names for ``env``, decided from the spec and the file system alone, so that a line-up is
+    checked before any model loads: ``bot``, ``script``, ``human``, ``openai``, ``base``, ``model``,
+    ``snapshot``, ``run`` (a run or checkpoint directory, bare or as ``model:PATH``) or ``hf`` (``model:PATH``, a
+    Hugging Face checkpoint). A spec that names nothing raises one line saying why."""
     if spec in env.bots:
-        return BotAgent(spec, env.bots[spec])
-    if spec.startswith("script:"):
-        path = spec[len("script:") :]
-        if not path:
-            raise RepertoryError("script: needs a file, as in script:moves.txt")
-        return ScriptAgent(path)
-    if spec == "human":
-        return HumanAgent()
-    if spec.startswith("openai:"):
-        return remote_agent(spec, options)
-    if spec == "base":
-        return _base(live) if live is not None else language_model(options.model, options, "base")
-    if spec == "model":
-        if live is not None:
-            raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
-        return language_model(options.model, options, "model")
-    if spec.startswith("snapshot@") and live is not None and live.load_snapshot is not None:
-        iteration = spec.removeprefix("snapshot@")
-        if iteration.isdigit():
-            agent = live.agent
-            adapter = live.load_snapshot(int(iteration))
-            return LMAgent(agent.backend, spec, agent.params, agent.constrained, agent.seed, spec, adapter)
-    path = spec.removeprefix("model:")
+        return "bot"
+    if spec in ("human", "base", "model"):
+        if spec == "model":
+            _check_model(options.model if options else EMBEDDED, "--model")
+        return spec
+    prefix, _, rest = spec.partition(":")
+    if prefix == "script" and rest:
+        if not Path(rest).is_file():
+            raise RepertoryError(f"cannot read script file {rest}: no such file")
+        return "script"
+    if prefix == "openai":
+        if openai_spec(spec) is None:
+            raise RepertoryError(f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1")
+        return "openai"
+    if re.fullmatch(r"snapshot@\d+", spec):
+        return "snapshot"
+    path = rest if prefix == "model" else spec
     if path and is_run_or_checkpoint(path):
-        return trained_policy(path, options, name=spec)
-    if spec.startswith("model:") and path:
-        return language_model(path, options, spec)
+        return "run"
+    if prefix == "model" and path:
+        _check_model(path, spec)
+        return "hf"
+    if prefix == "script":
+        raise RepertoryError("script: needs a file, as in script:moves.txt")
+    if os.sep in spec or "/" in spec or spec.startswith(("~", ".")):
+        if not Path(spec).exists():
+            raise RepertoryError(f"agent {spec!r}: no run or checkpoint directory at {spec}")
+        raise RepertoryError(f"agent {spec!r}: {spec} is not a run or checkpoint directory (no config.yaml)")
     raise RepertoryError(f"unknown agent {spec!r} for {env.name}; choose from {', '.join(agent_names(env))}")
 
 
-def remote_agent(spec: str, options: LMOptions) -> RemoteAgent:
+def _check_model(model: str, named: str) -> None:
+    if model != EMBEDDED and not (Path(model) / "config.json").is_file():
+        raise RepertoryError(f"{named}: {model} is not a Hugging Face checkpoint directory (no config.json)")
+
+
+def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live: LivePolicy | None = None) -> Agent:
+    """The agent ``spec`` names for ``env`` (see the module docstring and :func:`spec_kind`); ``options`` configure
+    language models, ``live`` is the trainer's policy."""
+    options = options or LMOptions()
+    kind = spec_kind(spec, env, None if live is not None else options)
+    if kind == "bot":
+        return BotAgent(spec, env.bots[spec])
+    if kind == "script":
+        return ScriptAgent(spec.removeprefix("script:"))
+    if kind == "human":
+        return HumanAgent()
+    if kind == "openai":
+        return _remote(spec, options)
+    if kind == "base":
+        return _base(live) if live is not None else language_model(options.model, options, "base")
+    if kind == "model":
+        if live is not None:
+            raise RepertoryError("opponent 'model' is ambiguous in training; use 'base' or 'model:PATH'")
+        return language_model(options.model, options, "model")
+    if kind == "snapshot":
+        if live is None or live.load_snapshot is None:
+            raise RepertoryError(f"agent {spec!r}: a snapshot plays only beside a live policy with an opponent pool")
+        adapter = live.load_snapshot(int(spec.removeprefix("snapshot@")))
+        agent = live.agent
+        return LMAgent(agent.backend, spec, agent.params, agent.constrained, agent.seed, spec, adapter)
+    if kind == "run":
+        return trained_policy(spec.removeprefix("model:"), options, name=spec)
+    return language_model(spec.removeprefix("model:"), options, spec)
+
+
+def _remote(spec: str, options: LMOptions) -> RemoteAgent:
     """``openai:MODEL@BASE_URL`` as an agent sampling with ``options`` (temperature, max_new_tokens, seed)."""
     endpoint = openai_spec(spec)
-    if endpoint is None:
-        raise RepertoryError(f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1")
+    assert endpoint is not None, "spec_kind checks the form first"
     model, base_url = endpoint
     key_env = options.api_key_env if os.environ.get(options.api_key_env) else None
     client = ChatClient(Endpoint(base_url, model, key_env, concurrency=16))

@@ -37,6 +37,11 @@ def games_progress(label: str) -> Iterator[Callable[[int, int], None]]:
         yield update
 
 
+def count(n: int, noun: str) -> str:
+    """ "1 episode", "3 episodes": a number with its noun, plural where it should be."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def check_run_options(split: str, seed: int, episodes: int) -> None:
     if split not in SPLITS:
         raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
@@ -47,15 +52,14 @@ def check_run_options(split: str, seed: int, episodes: int) -> None:
 
 
 def agents_for(env: str, specs: list[str], lm: LMOptions | None = None) -> dict[str, Agent]:
-    """One agent object per distinct spec, so a spec in several seats is served in one batch."""
-    from repertory.agents.resolve import make_agent  # model agents import torch; bot line-ups need none
+    """One agent object per distinct spec, so a spec in several seats is served in one batch; every spec is
+    checked before the first model loads."""
+    from repertory.agents.resolve import make_agent, spec_kind  # model agents import torch; bot line-ups need none
 
     cls = env_class(env)
-    built: dict[str, Agent] = {}
     for spec in specs:
-        if spec not in built:
-            built[spec] = make_agent(spec, cls, lm)
-    return built
+        spec_kind(spec, cls, lm)
+    return {spec: make_agent(spec, cls, lm) for spec in dict.fromkeys(specs)}
 
 
 def lm_options(

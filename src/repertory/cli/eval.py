@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from repertory.cli.common import check_run_options, games_progress, judged_table, out, team_table
 from repertory.envs import env_class
+from repertory.stats import plus_minus
 from repertory.types import RepertoryError
 
 if TYPE_CHECKING:
@@ -249,6 +250,7 @@ def eval_exploit(
     """Train naive exploiters of a frozen policy; exploiter gain and victim loss, mean +- SE over seeds."""
     from datetime import datetime
 
+    from repertory.agents.resolve import spec_kind
     from repertory.config import load_config
     from repertory.experiments import exploitability, victim_spec
 
@@ -257,6 +259,10 @@ def eval_exploit(
     if iterations < 1 or seeds < 1:
         raise RepertoryError("--iterations and --seeds must be at least 1")
     check_run_options("heldout", 0, episodes)
+    try:
+        spec_kind(victim, env_class(env))
+    except RepertoryError as exc:
+        raise RepertoryError(f"--victim {victim}: {exc}") from None
     overrides = overrides or []
     load_config(None, [*overrides, f"rollout.env={env}", f"rollout.opponent={victim_spec(victim)}"])
     root = out_dir or Path("runs") / f"exploit-{env}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -321,13 +327,16 @@ def eval_policy(
 ) -> None:
     """Held-out evaluation of one policy (`repertory eval TARGET` for short): normalised outcome per role (mean
     +- standard error), the discounted return and the environment's metrics."""
-    from repertory.eval import evaluate, evaluation_agents, evaluation_discount, evaluation_lineup
+    from repertory.eval import evaluate, evaluation_agents, evaluation_discount, evaluation_env, evaluation_lineup
+    from repertory.judges import make_judge
 
     check_run_options(split, seed, episodes)
     _check_budget(max_new_tokens)
     line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
+    env_name = evaluation_env(target, env)
+    options, judging = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
     agent, opponent, env_name = evaluation_lineup(*line_up)
-    options, scorer = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
+    scorer = make_judge(judging)
     with (
         _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool,
         games_progress(f"eval {env_name}") as on_progress,
@@ -355,10 +364,10 @@ def _print_evaluation(result: Evaluation, name: str, env: str, split: str) -> No
     table = Table(title=f"{name} on {env} ({split}, vs {result.opponent}, {result.episodes} episodes)")
     for column in ("role", "outcome", "points", "games"):
         table.add_column(column, justify="right" if column != "role" else "left")
-    for role, (mean, se) in result.outcome.items():
-        points, points_se = result.points[role]
-        table.add_row(role, f"{mean:.3f} ± {se:.3f}", f"{points:.2f} ± {points_se:.2f}", str(result.games[role]))
-    table.add_row("all", f"{result.overall[0]:.3f} ± {result.overall[1]:.3f}", "", "")
+    for role, outcome in result.outcome.items():
+        games = result.games[role]
+        table.add_row(role, plus_minus(*outcome, games), plus_minus(*result.points[role], games, 2), str(games))
+    table.add_row("all", plus_minus(*result.overall, sum(result.games.values())), "", "")
     out.print(table)
     if result.teams:
         out.print(team_table(f"{name} per team ({env}, vs {result.opponent})", result.teams))
@@ -376,12 +385,13 @@ def _print_evaluation(result: Evaluation, name: str, env: str, split: str) -> No
 def _judging(
     target: str, env: str, options: list[str], spec: str | None, key_env: str | None, fine_grained: bool
 ) -> tuple[dict[str, Any], Any]:
-    """The environment options and the judge of an evaluation: the flags, else the run's own."""
+    """The environment options and the judge's config of an evaluation: the flags, else the run's own (checked
+    here, before any model loads)."""
     import yaml
 
     from repertory.config import TrainConfig
     from repertory.envs import make
-    from repertory.judges import judge_config, make_judge
+    from repertory.judges import judge_config
     from repertory.runs import resolve_checkpoint
 
     run = TrainConfig() if target == "base" else resolve_checkpoint(target)[1]
@@ -397,4 +407,4 @@ def _judging(
         config = judge_config(spec, key_env, fine_grained)
     elif key_env is not None:
         config = config.model_copy(update={"api_key_env": key_env})
-    return env_options, make_judge(config)
+    return env_options, config

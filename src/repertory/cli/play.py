@@ -21,13 +21,15 @@ from repertory.cli.common import (
     SEAT_STYLES,
     agents_for,
     check_run_options,
+    count,
     games_progress,
     lm_options,
     out,
     team_table,
 )
-from repertory.envs import env_class, env_names
-from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule
+from repertory.envs import env_class, env_names, load_kernels
+from repertory.rollout import EpisodeSpec, guarded_seats, run_episodes, schedule, seatable
+from repertory.stats import mean_se, plus_minus
 from repertory.store import EpisodeStore
 from repertory.types import Episode, Message, RepertoryError, Turn
 
@@ -60,6 +62,11 @@ def envs(as_json: bool = typer.Option(False, "--json", help="Print a JSON list i
     for c in classes:
         table.add_row(c.name, ", ".join(c.roles), ", ".join(c.bots), c.description)
     out.print(table)
+    out.print(
+        "Also every TextArena game as textarena:<EnvId>, e.g. textarena:SimpleNegotiation-v0 or textarena:TicTacToe-v0 "
+        "(the optional extra repertory[textarena]; docs/guide.md, Other libraries).",
+        markup=False,
+    )
 
 
 def _seen(name: str, message: Message, style: str) -> Text:
@@ -179,22 +186,34 @@ class LiveTranscript:
 
 
 def _print_summary(episodes: list[Episode]) -> None:
-    from repertory.eval.scores import summarize  # the evaluation layer loads model code; bot games need none
+    """Per seat (by position: a kernel may rename seats), then per game role and team where the game deals
+    them, and the game's metrics."""
+    from repertory.eval.scores import seat_scores, summarize, team_stats  # the evaluation layer loads model code
 
+    cls = env_class(episodes[0].env)
     stats = summarize(episodes)
-    table = Table(title=f"{episodes[0].env}: {len(episodes)} episode(s)")
-    for column in ("seat", "agent", "points (mean ± se)", "outcome (mean ± se)", "invalid rate"):
+    table = Table(title=f"{cls.name}: {count(len(episodes), 'episode')}")
+    for column in ("seat", "agent", "games", "points (mean ± se)", "outcome (mean ± se)", "invalid rate"):
         table.add_column(column)
-    for seat, agent in zip(episodes[0].seats, stats.agents):
-        p, o = stats.points[seat.name], stats.outcome[seat.name]
+    for (seat, games), agent in zip(stats.games.items(), stats.agents):
+        p, o = stats.points[seat], stats.outcome[seat]
         table.add_row(
-            seat.name,
-            agent,
-            f"{p[0]:.4g} ± {p[1]:.2g}",
-            f"{o[0]:.4f} ± {o[1]:.4f}",
-            f"{stats.invalid_rate[seat.name]:.3f}",
+            seat, agent, str(games), plus_minus(*p, games), plus_minus(*o, games, 4), f"{stats.invalid_rate[seat]:.3f}"
         )
     out.print(table)
+    if cls.scored_by_label:
+        by_role = seat_scores(episodes, lambda i, s: True)
+        roles = Table(title="per game role (every seat that played it)")
+        for column in ("role", "seats", "points (mean ± se)", "outcome (mean ± se)"):
+            roles.add_column(column)
+        for role, outcomes in by_role.outcomes.items():
+            points = by_role.points[role]
+            n = len(outcomes)
+            roles.add_row(role, str(n), plus_minus(*mean_se(points), n), plus_minus(*mean_se(outcomes), n, 4))
+        out.print(roles)
+    if cls.teams:
+        every_seat = [list(range(len(ep.seats))) for ep in episodes]
+        out.print(team_table("per team", team_stats(episodes, every_seat)))
     if stats.metrics:
         metrics = Table(title="metrics (mean over episodes)")
         metrics.add_column("metric")
@@ -234,12 +253,11 @@ def play(
     bots = list(cls.bots)
     example = [bots[i % len(bots)] for i in range(len(cls.roles))] if bots else ["model"] * len(cls.roles)
     specs = [s.strip() for s in agents.split(",")] if agents else example
-    if len(specs) != len(cls.roles) or not all(specs):
-        raise RepertoryError(
-            f"{env} needs {len(cls.roles)} agents, one per seat ({', '.join(cls.roles)}), for example "
-            f"--agents {','.join(example)}; choose from {', '.join(agent_names(cls))}"
-        )
-    store = EpisodeStore(out_dir) if out_dir else None
+    hint = f"for example --agents {','.join(example)}; choose from {', '.join(agent_names(cls))}"
+    if not all(specs):
+        raise RepertoryError(f"--agents has an empty name; {hint}")
+    seatable(cls, load_kernels(env, split), len(specs), kernel, hint)
+    store = EpisodeStore(out_dir).prepare() if out_dir else None
     built = agents_for(env, specs, lm_options(model, temperature, top_p, max_new_tokens, constrained, seed))
     lineup = schedule(env, [built[s] for s in specs], episodes, seed, split, kernel)
     trained = cls.roles.index(cls.default_trained_role)
@@ -256,14 +274,14 @@ def play(
                 if hasattr(agent, "watch"):  # language-model agents show their text as it is sampled
                     agent.watch = live.stream
             played = run_episodes(lineup, max_concurrent=1, on_episode=live.episode, on_turn=live.turn)
+    if store:  # first: nothing after play may lose the games
+        path = store.append(played)
+        print(f"wrote {count(len(played), 'episode')} to {path}", file=sys.stderr)
     if as_json:
         for ep in played:
             print(json.dumps(ep.summary()))
     else:
         _print_summary(played)
-    if store:
-        path = store.append(played)
-        print(f"wrote {len(played)} episode(s) to {path}", file=sys.stderr)
 
 
 def _print_crossplay(result: CrossPlay) -> None:
@@ -309,17 +327,20 @@ def tournament(
 ) -> None:
     """Cross-play tournament: every ordered pair of agents, on the same kernels and seeds (by default in every
     environment with two sides: two seats or two teams)."""
-    from repertory.eval.crossplay import sides
+    from repertory.agents.resolve import spec_kind
+    from repertory.eval.crossplay import check_sides, crossplay, sides
 
     names = env or [n for n in env_names() if len(sides(env_class(n))) == 2]
-    for name in names:
-        env_class(name)
     check_run_options(split, seed, episodes)
-    store = EpisodeStore(out_dir) if out_dir else None
-    for name in names:
-        specs = [s.strip() for s in agents.split(",")] if agents else list(env_class(name).bots)
-        from repertory.eval.crossplay import crossplay
-
+    lineups = {}
+    for name in names:  # every game and line-up checked before the first is played
+        cls = env_class(name)
+        check_sides(cls)
+        lineups[name] = [s.strip() for s in agents.split(",")] if agents else list(cls.bots)
+        for spec in lineups[name]:
+            spec_kind(spec, cls)
+    store = EpisodeStore(out_dir).prepare() if out_dir else None
+    for name, specs in lineups.items():
         with games_progress(f"tournament {name}") as on_progress:
             result = crossplay(name, agents_for(name, specs), episodes, seed, split, on_progress)
         if as_json:
@@ -328,4 +349,4 @@ def tournament(
             _print_crossplay(result)
         if store:
             path = store.append(result.episodes)
-            print(f"wrote {len(result.episodes)} episode(s) to {path}", file=sys.stderr)
+            print(f"wrote {count(len(result.episodes), 'episode')} to {path}", file=sys.stderr)

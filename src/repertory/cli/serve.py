@@ -44,7 +44,7 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seeds requests that give none (each logged seed replays its text)."),
 ) -> None:
     """Serve a policy with an OpenAI-compatible API (/v1/chat/completions, /v1/models, /v1/outcomes, /health),
-    logging every completion for `trainer: rounds` (--set rounds.logs=LOGDIR). docs/guide.md: Serving a policy."""
+    logging every completion for a round method (--set method.logs=LOGDIR). docs/guide.md: Serving a policy."""
     from repertory.serve import API_KEY_ENV, SeatPrompt, ServeOptions
 
     if (env is None) != (role is None):
@@ -68,6 +68,7 @@ def serve(
     from repertory.serve.app import serve as run_server
     from repertory.store.served import ServedLog
 
+    sock = options.listen()  # a busy port fails now, not after minutes of loading
     served = load_served_policy(policy, backend, model, device, name, adapter)
     directory = log_dir or (RunDir(served.run_dir).served if served.run_dir is not None else Path("served"))
     served_log = ServedLog(directory, served.name, served.policy_id, len(served.backend.tokenizer))
@@ -76,4 +77,4 @@ def serve(
         out.print(f"serving {served.name} ({served.policy_id}) at {url}" + (" (API key required)" if key else ""))
         out.print(f"logging to {directory} ({len(served_log.conversations)} conversations so far)")
 
-    run_server(served, options, served_log, seat, on_ready=ready)
+    run_server(served, options, served_log, seat, on_ready=ready, sock=sock)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from repertory.cli.common import out
+from repertory.cli.common import count, out
 from repertory.types import RepertoryError
 
 
@@ -53,6 +53,21 @@ def _train_progress(trainer, quiet: bool):
     return on_line, progress
 
 
+def _banner(trainer) -> str:
+    """What a new run trains, from which recipe, and where it writes."""
+    c = trainer.config
+    episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
+    lora = {"shared": " + LoRA", "per_role": " + a LoRA per role", "per_team": " + a LoRA per team"}
+    model = f"{c.model.name}{lora[c.model.adapters] if c.model.lora.enabled else ''}"
+    other, steps, games = (
+        ("partner", "deployment round", "conversations") if c.round_based else ("opponent", "iteration", "episodes")
+    )
+    return (
+        f"training recipe {c.recipe}: {c.method_name} on {c.rollout.env} ({other}: {c.rollout.opponent}) with "
+        f"{model}: {count(c.iterations, steps)} of {episodes} {games} -> {trainer.run_dir}"
+    )
+
+
 def train(
     recipe: str | None = typer.Argument(
         None, help="Recipe: a YAML file or a shipped recipe name (default: the default recipe)."
@@ -66,12 +81,12 @@ def train(
         help="Data-parallel learner over N processes, one GPU each with model.device=cuda (on a CPU: N processes).",
     ),
 ) -> None:
-    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about four minutes on a CPU).
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about five minutes on two CPU cores).
     A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
     import os
     import sys
 
-    from repertory.config import load_config
+    from repertory.config import load_config, recipe_name
     from repertory.experiments import load_suite
     from repertory.report.metrics import held_out_change, read_metrics
     from repertory.runs import RunDir
@@ -96,21 +111,8 @@ def train(
         show(f"resuming {resume} after iteration {trainer.iteration} of {trainer.config.iterations}")
     else:
         config = load_config(recipe or "default", overrides)
-        trainer = start_run(config)
-        c = trainer.config
-        episodes = c.rollout.kernels_per_iteration * c.rollout.episodes_per_kernel
-        lora = {"shared": " + LoRA", "per_role": " + a LoRA per role", "per_team": " + a LoRA per team"}
-        model = f"{c.model.name}{lora[c.model.adapters] if c.model.lora.enabled else ''}"
-        if c.round_based:
-            show(
-                f"training {c.method_name} on {c.rollout.env} (partner: {c.rollout.opponent}) with {model}: "
-                f"{c.iterations} deployment rounds of {episodes} conversations -> {trainer.run_dir}"
-            )
-        else:
-            show(
-                f"training {c.method_name} on {c.rollout.env} (opponent: {c.rollout.opponent}) with {model}: "
-                f"{c.iterations} iterations of {episodes} episodes -> {trainer.run_dir}"
-            )
+        trainer = start_run(config.model_copy(update={"recipe": recipe_name(recipe or "default")}))
+        show(_banner(trainer))
     on_line, progress = _train_progress(trainer, quiet)
     with progress:
         try:
@@ -147,8 +149,8 @@ def _train_suite(suite, quiet: bool) -> None:
 
     def on_run(name, trainer) -> None:
         current["name"] = name
-        unit = "rounds" if trainer.config.round_based else "iterations"
-        out.print(f"run {name}: {trainer.iteration} of {trainer.config.iterations} {unit} done")
+        unit = "round" if trainer.config.round_based else "iteration"
+        out.print(f"run {name}: {trainer.iteration} of {count(trainer.config.iterations, unit)} done")
 
     def on_line(line) -> None:
         if quiet:

@@ -56,7 +56,14 @@ from repertory.types import RepertoryError
 class TrainConfig(_Section):
     """Everything a training run needs. Every field has a default; a recipe overrides some."""
 
-    name: str | None = Field(None, description="Run name; default: <method>-<env>-<timestamp>.")
+    name: str | None = Field(
+        None, description="Run name; default: <method>-<env>-<timestamp>, after <recipe>_ for a recipe but the default."
+    )
+    recipe: str | None = Field(
+        None,
+        description="The recipe a run was started from: a shipped recipe's name or a file's stem (set by "
+        "`repertory train`; it names the run directory and the banner).",
+    )
     output_dir: str = Field("runs", description="Where run directories are created.")
     seed: int = Field(0, ge=0, description="Master seed of kernels, sampling and mini-batch order.")
     iterations: int = Field(8, ge=1, description="Rollout + update iterations.")
@@ -380,6 +387,11 @@ def _allowed_keys(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
     return list(model.model_fields)
 
 
+def recipe_name(recipe: str) -> str:
+    """How a run names the recipe it was started from: a shipped recipe's name, a recipe file's stem."""
+    return Path(recipe).stem if Path(recipe).is_file() else recipe
+
+
 def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """A recipe (file path or shipped name; None = defaults) with ``key=value`` overrides, validated."""
     data: dict[str, Any] = {}
@@ -449,6 +461,7 @@ __all__ = [
     "describe_error",
     "dump_config",
     "load_config",
+    "recipe_name",
     "recipe_names",
     "recipe_text",
     "register_method_config",

@@ -10,6 +10,7 @@ are not listed by ``env_names()``.
 
 from __future__ import annotations
 
+import inspect
 from importlib import import_module
 from typing import Any
 
@@ -79,10 +80,23 @@ def make(name: str, **options: Any) -> Env:
     """A fresh instance of the environment registered as ``name``, built with the game's ``options``
     (Werewolf: ``elimination_discount``); an unknown or invalid option is a RepertoryError."""
     cls = env_class(name)
+    accepted = env_options(cls)
+    unknown = [key for key in options if accepted is not None and key not in accepted]
+    if unknown:
+        choices = f"its options are {', '.join(accepted)}" if accepted else "it takes no options"
+        raise RepertoryError(f"{name} has no option {', '.join(map(repr, unknown))}; {choices}")
     try:
         return cls(**options)
     except (TypeError, ValueError) as exc:
         raise RepertoryError(f"{name}: bad environment options {options}: {exc}") from None
+
+
+def env_options(cls: type[Env]) -> list[str] | None:
+    """The options a game's constructor takes by name (None when it takes any keyword)."""
+    parameters = list(inspect.signature(cls).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def load_kernels(name: str, split: str, options: dict[str, Any] | None = None) -> list[Kernel]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from repertory.agents import Agent, LMOptions
 from repertory.agents.lm import LMAgent
-from repertory.agents.resolve import language_model, make_agent, trained_policy
+from repertory.agents.resolve import language_model, make_agent, spec_kind, trained_policy
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
 from repertory.eval.scores import (
@@ -193,6 +193,21 @@ def evaluation_discount(target: str) -> float:
     return DISCOUNT if target == "base" else resolve_checkpoint(target)[1].method.discount
 
 
+def _target_config(target: str, env: str | None, model: str) -> TrainConfig:
+    if target != "base":
+        return resolve_checkpoint(target)[1]
+    if env is None:
+        raise RepertoryError("--env is required when evaluating 'base'")
+    config = TrainConfig()
+    config.model.name = model
+    return config
+
+
+def evaluation_env(target: str, env: str | None) -> str:
+    """The game ``repertory eval TARGET`` plays: ``env``, else the run's (``base`` needs ``env``)."""
+    return env or _target_config(target, env, "smollm2").rollout.env
+
+
 def evaluation_lineup(
     target: str,
     env: str | None,
@@ -207,14 +222,8 @@ def evaluation_lineup(
     ``target`` is a run or checkpoint directory (its trained policy, sampled as it was trained) or ``base``
     (``model`` untrained, which needs ``env``). ``vs`` defaults to the game's partner; ``self`` is self-play,
     ``base`` the untrained model of the run; ``max_new_tokens`` and ``constrained`` override the run's."""
-    if target == "base":
-        if env is None:
-            raise RepertoryError("--env is required when evaluating 'base'")
-        config = TrainConfig()
-        config.model.name = model
-    else:
-        config = resolve_checkpoint(target)[1]
-    env_name = env or config.rollout.env
+    config = _target_config(target, env, model)
+    env_name = evaluation_env(target, env)
     cls = env_class(env_name)
     vs = vs or cls.default_partner
     rollout = config.rollout
@@ -226,10 +235,12 @@ def evaluation_lineup(
         rollout.constrained if constrained is None else constrained,
         seed,
     )
+    if target == "base" and vs == "model":  # the same untrained model in the other seat
+        vs = "base"
+    if vs != "self":
+        spec_kind(vs, cls, options)  # before the model under test loads
     if target == "base":
         agent = language_model(model, options, policy_id="live")
-        if vs == "model":  # the same untrained model in the other seat
-            vs = "base"
     else:
         agent = trained_policy(target, options, policy_id="live")
     opponent = None if vs == "self" else make_agent(vs, cls, replace(options, seed=seed + 1))

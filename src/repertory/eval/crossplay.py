@@ -142,6 +142,7 @@ def summarize_teams(env: type[Env], episodes: list[Episode]) -> PairResult:
         discounted={t: per_game(t, discounted) for t in env.teams},
         invalid_rate={t: invalid_rate(t) for t in env.teams},
         metrics=mean_metrics(episodes),
+        games={t: len(episodes) for t in env.teams},
     )
 
 

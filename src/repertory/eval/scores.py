@@ -32,6 +32,8 @@ class PairResult:
     discounted: dict[str, tuple[float, float]]
     invalid_rate: dict[str, float]
     metrics: dict[str, float]
+    games: dict[str, int] = field(default_factory=dict)
+    """Games per seat: fewer than ``episodes`` for a seat some kernels leave empty."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -49,21 +51,30 @@ class PairResult:
 
 
 def summarize(episodes: list[Episode]) -> PairResult:
-    """Aggregate episodes that share one line-up."""
-    first = episodes[0]
-    names = [s.name for s in first.seats]
+    """Aggregate episodes that share one line-up, per seat. Seats are keyed by the game's seat names
+    (``Env.roles``: Alice, vendor), which are the display names where they are fixed and the seat index (p0, p1,
+    ...) where each kernel names its seats (Werewolf, social scenarios); a seat a kernel leaves empty (a
+    two-person scenario's third) counts only the games it played."""
+    seat_keys = env_class(episodes[0].env).roles
+    played: dict[str, list[RoleResult]] = {}
+    agents: dict[str, str] = {}
+    for ep in episodes:
+        for i, seat in enumerate(ep.seats):
+            played.setdefault(seat_keys[i], []).append(ep.result.roles[seat.name])
+            agents.setdefault(seat_keys[i], seat.agent)
     invalid = {}
-    for n in names:
-        turns = sum(ep.result.roles[n].n_turns for ep in episodes)
-        invalid[n] = sum(ep.result.roles[n].n_invalid for ep in episodes) / turns if turns else 0.0
+    for key, results in played.items():
+        turns = sum(r.n_turns for r in results)
+        invalid[key] = sum(r.n_invalid for r in results) / turns if turns else 0.0
     return PairResult(
-        agents=[s.agent for s in first.seats],
+        agents=list(agents.values()),
         episodes=len(episodes),
-        points={n: mean_se([ep.result.roles[n].points for ep in episodes]) for n in names},
-        outcome={n: mean_se([ep.result.roles[n].outcome for ep in episodes]) for n in names},
-        discounted={n: mean_se([discounted(ep.result.roles[n]) for ep in episodes]) for n in names},
+        points={key: mean_se([r.points for r in results]) for key, results in played.items()},
+        outcome={key: mean_se([r.outcome for r in results]) for key, results in played.items()},
+        discounted={key: mean_se([discounted(r) for r in results]) for key, results in played.items()},
         invalid_rate=invalid,
         metrics=mean_metrics(episodes),
+        games={key: len(results) for key, results in played.items()},
     )
 
 

@@ -343,15 +343,6 @@ def _context_length(backend: Backend) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket, so the URL (a free port for 0) is known before uvicorn serves it."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise RepertoryError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
 def _uvicorn(app: FastAPI) -> Any:
     import uvicorn
 
@@ -370,10 +361,11 @@ def serve(
     served_log: ServedLog,
     seat: SeatPrompt | None = None,
     on_ready: Callable[[str], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Run the server until interrupted (SIGINT or SIGTERM end it cleanly); ``on_ready`` gets its URL once the
-    socket listens."""
-    sock = _bind(options.host, options.port)
+    """Run the server until interrupted (SIGINT or SIGTERM end it cleanly) on ``sock`` (default: a socket bound to
+    the options' address); ``on_ready`` gets its URL once the socket listens."""
+    sock = sock or options.listen()
     if on_ready is not None:
         on_ready(_url(sock))
     _uvicorn(create_app(policy, options, served_log, seat)).run(sockets=[sock])
@@ -390,7 +382,7 @@ class ServerThread:
         self, policy: ServedPolicy, options: ServeOptions, served_log: ServedLog, seat: SeatPrompt | None = None
     ):
         self.server = _uvicorn(create_app(policy, options, served_log, seat))
-        self._socket = _bind(options.host, options.port)
+        self._socket = options.listen()
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._socket]}, name="repertory-serve", daemon=True
         )

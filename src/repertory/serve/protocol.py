@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +48,15 @@ class ServeOptions:
             raise RepertoryError(f"--port must be 0..65535 (got {self.port})")
         if min(self.max_body_bytes, self.max_messages, self.max_tokens, self.default_max_tokens, self.max_pending) < 1:
             raise RepertoryError("serve limits (body bytes, messages, max tokens, pending) must be at least 1")
+
+    def listen(self) -> socket.socket:
+        """A socket listening on the options' address (a free port for 0), so that the URL is known before the
+        server runs and a busy port is refused before the model loads."""
+        try:
+            family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)[0][0]
+            return socket.create_server((self.host, self.port), family=family, backlog=2048)
+        except OSError as exc:
+            raise RepertoryError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
 
 
 class ServeError(Exception):

@@ -287,6 +287,17 @@ class EpisodeStore:
         if self.root.exists() and not self.root.is_dir():
             raise RepertoryError(f"{self.root} exists and is not a directory")
 
+    def prepare(self) -> EpisodeStore:
+        """Create the directory now, so that a path that cannot hold episodes is refused before any game is
+        played rather than after."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RepertoryError(f"cannot create the episode store {self.root}: {exc.strerror or exc}") from None
+        if not os.access(self.root, os.W_OK):
+            raise RepertoryError(f"cannot write episodes to {self.root}: permission denied")
+        return self
+
     def files(self) -> list[Path]:
         """The store's Parquet files in the order they were written."""
         if not self.root.is_dir():

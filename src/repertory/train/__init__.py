@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from repertory.agents.resolve import spec_kind
 from repertory.algos.losses import get_policy_loss
 from repertory.config import TrainConfig, dump_config, load_config
+from repertory.envs import env_class
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import export_policy
@@ -29,7 +31,8 @@ from repertory.types import RepertoryError
 
 
 def check_names(config: TrainConfig) -> None:
-    """Every registry name in ``config`` is registered (one line naming the known ones otherwise)."""
+    """Every registry name in ``config`` is registered and every line-up agent resolves (one line naming the known
+    ones otherwise), before any model loads."""
     if config.method.kind not in METHODS:
         known = ", ".join(sorted(METHODS))
         raise RepertoryError(f"method.kind: no method registered as {config.method.kind!r}; known: {known}")
@@ -40,6 +43,14 @@ def check_names(config: TrainConfig) -> None:
         get_policy_loss(config.algo.policy_loss)
     except RepertoryError as exc:
         raise RepertoryError(f"algo.policy_loss: {exc}") from None
+    for key, spec in (("rollout.opponent", config.rollout.opponent), ("eval.opponent", config.evaluation_opponent)):
+        if spec in ("self", "pool"):
+            continue
+        try:
+            if spec_kind(spec, env_class(config.rollout.env)) == "model":
+                raise RepertoryError("'model' is ambiguous in training; use 'base' or 'model:PATH'")
+        except RepertoryError as exc:
+            raise RepertoryError(f"{key} {spec!r}: {exc}") from None
 
 
 def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None) -> Trainer:
@@ -86,6 +97,7 @@ def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer
     trainer. Under a launcher (``WORLD_SIZE`` > 1) it joins the process group first. With ``warm_start`` the run
     starts from the warm-started policy (its ``model.name`` in the run's config)."""
     distributed.initialise()
+    check_names(config)
     if config.warm_start is not None:
         path = warm_started(config, loaded)
         config = config.model_copy(update={"model": config.model.model_copy(update={"name": str(path)})})
