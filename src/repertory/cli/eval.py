@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from repertory.cli.common import check_run_options, games_progress, judged_table, out, team_table
+from repertory.cli.common import check_run_options, count, games_progress, judged_table, out, team_table
 from repertory.envs import env_class
 from repertory.stats import plus_minus
 from repertory.types import RepertoryError
@@ -269,12 +269,14 @@ def eval_exploit(
     if root.exists() and not root.is_dir():
         raise RepertoryError(f"--out {root} is not a directory")
     if not as_json:
-        out.print(f"training {seeds} naive exploiter(s) of {victim} on {env} for {iterations} iterations -> {root}")
+        exploiters = count(seeds, "naive exploiter")
+        out.print(f"training {exploiters} of {victim} on {env} for {count(iterations, 'iteration')} -> {root}")
     result = exploitability(env, victim, iterations, list(range(seeds)), episodes, root, overrides)
     if as_json:
         print(json.dumps(result.to_json()))
         return
-    table = Table(title=f"exploitability of {victim} on {env}: {iterations} iterations, {episodes} held-out games")
+    budget = f"{count(iterations, 'iteration')}, {count(episodes, 'held-out game')}"
+    table = Table(title=f"exploitability of {victim} on {env}: {budget}")
     for column in ("seed", "J_E before", "J_E after", "J_V before", "J_V after", "gain", "loss"):
         table.add_column(column, justify="right")
     for r in result.runs:

@@ -1,8 +1,8 @@
 """``repertory serve``: a policy behind an OpenAI-compatible HTTP API that logs every conversation it has.
 
 The deployment half of batch-online training (docs/algorithms.md 5): put pi_k in front of users, log what it
-said, post each conversation's outcome, then train pi_{k+1} on the log with ``trainer: rounds`` and
-``rounds.logs=LOGDIR``. Three modules, in the order a request meets them:
+said, post each conversation's outcome, then train pi_{k+1} on the log with a round method and
+``method.logs=LOGDIR``. Three modules, in the order a request meets them:
 
 - :mod:`repertory.serve.protocol` — options, request validation, errors and response bodies: pure, no model;
 - :mod:`repertory.serve.batching` — the generation thread: one batched call per tick, the tick logged as one

@@ -1,5 +1,5 @@
 """The log of a served policy (``repertory serve``): every chat completion it returned, and the outcomes
-a deployment posts afterwards, as a directory that ``trainer: rounds`` reads as ``rounds.logs``.
+a deployment posts afterwards, as a directory that a round method reads as ``method.logs``.
 
 Layout of a log directory::
 

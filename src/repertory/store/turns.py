@@ -1,7 +1,7 @@
 """Logged turns (docs/algorithms.md 5.3): one record per agent turn of a logged conversation, in Parquet.
 
-The schema ``trainer: rounds`` learns from, what a deployment writes (``rounds/turns-K.parquet``) and what users
-bring as round 0 (``rounds.logs``). Reading validates the rows; turns logged as text (``messages`` +
+The schema a round method learns from, what a deployment writes (``rounds/turns-K.parquet``) and what users
+bring as round 0 (``method.logs``). Reading validates the rows; turns logged as text (``messages`` +
 ``response``) are rendered to token ids by the caller, who knows the policy's chat template.
 """
 
