@@ -253,3 +253,17 @@ def test_serve_refuses_a_busy_port_before_the_model_loads(capsys, monkeypatch):
 def test_envs_names_textarena_games(capsys):
     code, out, _ = run(capsys, "envs")
     assert code == 0 and "textarena:<EnvId>" in out and "repertory[textarena]" in out
+
+
+def test_the_train_banner_names_the_recipe_the_method_and_the_game():
+    from types import SimpleNamespace
+
+    from repertory.cli.train import _banner
+    from repertory.config import load_config
+
+    recipe = "ppo-ipd-vs-cooperator"
+    config = load_config(recipe, ["iterations=1"]).model_copy(update={"recipe": recipe})
+    assert _banner(SimpleNamespace(config=config, run_dir="runs/r")) == (
+        "training recipe ppo-ipd-vs-cooperator: omar on ipd (opponent: always-cooperate) with smollm2 + LoRA: "
+        "1 iteration of 8 episodes -> runs/r"
+    )
