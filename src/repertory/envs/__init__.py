@@ -14,7 +14,7 @@ import inspect
 from importlib import import_module
 from typing import Any
 
-from repertory.envs.base import Bot, Env, RoundGame
+from repertory.envs.base import Bot, Env, KeyMetric, RoundGame
 from repertory.envs.kernels import generate_kernels, kernels_of, write_kernels
 from repertory.envs.phased import PhasedGame
 from repertory.types import Kernel, RepertoryError
@@ -117,6 +117,7 @@ def load_kernels(name: str, split: str, options: dict[str, Any] | None = None) -
 __all__ = [
     "Bot",
     "Env",
+    "KeyMetric",
     "PhasedGame",
     "RoundGame",
     "env_class",

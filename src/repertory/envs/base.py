@@ -32,6 +32,17 @@ Bot = Callable[[dict[str, Any]], str]
 """A scripted policy: the role's structured view (see ``Env.view``) in, the raw text out."""
 
 
+@dataclass(frozen=True)
+class KeyMetric:
+    """The episode metric (a key of ``Env.metrics()``) that shows a game's key behaviour, and what a rise or a
+    fall of its held-out mean says the trained policy learned (the report leads with its change)."""
+
+    name: str
+    label: str
+    rises: str
+    falls: str
+
+
 @dataclass
 class StrategyFit:
     """How often a player's moves agree with each of a game's classic strategies given the same history."""
@@ -77,6 +88,8 @@ class Env(ABC):
     scored_by_label: ClassVar[bool] = False
     """True where display names come from the kernel (Werewolf, social): evaluations then report scores per
     role label (seer, seller) instead of per name."""
+    key_metric: ClassVar[KeyMetric | None] = None
+    """The metric of the game's key behaviour (IPD: mutual cooperation); None where no one metric is it."""
 
     def __init__(self) -> None:
         self.kernel: Kernel | None = None

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, RoundGame, StrategyFit, collective_payoff, other
+from repertory.envs.base import Bot, KeyMetric, RoundGame, StrategyFit, collective_payoff, other
 from repertory.envs.parsing import clean, last_tag
 from repertory.types import Action, Episode, Parsed, StepResult, derive
 
@@ -85,6 +85,8 @@ class IteratedPrisonersDilemma(RoundGame):
     role_labels = ("player", "player")
     default_trained_role = "Alice"
     unique_kernels = False
+    # Against the always-cooperate bot (the default recipe's evaluation) this is the agent's own cooperation.
+    key_metric = KeyMetric("mutual_cooperation_rate", "mutual cooperation", "it cooperates more", "it defects more")
     bots: ClassVar[dict[str, Bot]] = {
         "always-cooperate": lambda view: _choice("A"),
         "always-defect": lambda view: _choice("B"),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Env, fmt, other
+from repertory.envs.base import Env, KeyMetric, fmt, other
 from repertory.envs.parsing import PayloadError, TagMatch, clean, find_tags, last_tag
 from repertory.types import Action, Parsed, StepResult
 
@@ -60,6 +60,7 @@ class Negotiation(Env):
 
     max_messages: ClassVar[int] = 20
     fixed_seat: ClassVar[bool] = True
+    key_metric = KeyMetric("deal_rate", "deals reached", "it closes more deals", "it closes fewer deals")
     default_partner: ClassVar[str] = "bot"
     empty_tags: ClassVar[frozenset[str]] = NEGOTIATION_TAGS
     reject_ends: ClassVar[bool] = False

@@ -6,7 +6,7 @@ import random
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, RoundGame, collective_payoff, fmt, other, proportional_split
+from repertory.envs.base import Bot, KeyMetric, RoundGame, collective_payoff, fmt, other, proportional_split
 from repertory.envs.parsing import PayloadError, as_integer, clean, last_tag, parse_fields
 from repertory.types import Action, Parsed, StepResult
 
@@ -45,6 +45,9 @@ class SplitNoComm(RoundGame):
     roles = ("Alice", "Bob")
     role_labels = ("player", "player")
     default_trained_role = "Alice"
+    key_metric = KeyMetric(
+        "split_efficiency", "split efficiency", "the splits waste less of the best total", "the splits waste more"
+    )
     bots: ClassVar[dict[str, Bot]] = {
         "greedy": lambda view: _claim({i: QUANTITY for i in ITEMS}),
         "welfare-maximizing": welfare_maximizing,

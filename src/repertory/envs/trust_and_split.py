@@ -7,7 +7,7 @@ import re
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, RoundGame, collective_payoff, fmt, other, proportional_split
+from repertory.envs.base import Bot, KeyMetric, RoundGame, collective_payoff, fmt, other, proportional_split
 from repertory.envs.parsing import PayloadError, as_integer, clean, last_tag, parse_fields
 from repertory.types import Action, Parsed, StepResult
 
@@ -68,6 +68,9 @@ class TrustAndSplit(RoundGame):
     roles = ("Alice", "Bob")
     role_labels = ("player", "player")
     default_trained_role = "Alice"
+    key_metric = KeyMetric(
+        "collective_payoff_normalized", "collective payoff (share of the best)", "they cooperate more", "they grab more"
+    )
     bots: ClassVar[dict[str, Bot]] = {
         "greedy": greedy,
         "honest-cooperative": honest_cooperative,

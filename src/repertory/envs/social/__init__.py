@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
-from repertory.envs.base import Bot, Env
+from repertory.envs.base import Bot, Env, KeyMetric
 from repertory.envs.kernels import generate_kernels
 from repertory.envs.parsing import PayloadError, clean, find_tags, parse_fields
 from repertory.envs.social import catalogue
@@ -152,6 +152,7 @@ class Social(Env):
     default_trained_role = "p0"
     scored_by_label = True
     bots: ClassVar[dict[str, Bot]] = {"agreeable": agreeable, "quiet": quiet}
+    key_metric = KeyMetric("goal_verified", "goals met", "it meets its goal more often", "it meets its goal less often")
 
     def __init__(
         self,
