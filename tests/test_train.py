@@ -147,6 +147,11 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     for key in ("outcome", "outcome/Alice", "outcome/Bob", "kl", "entropy", "loss/policy", "loss/value", "value/mse"):
         assert key in lines[1], key
     assert "eval/outcome" in lines[0] and "final/outcome" in lines[2]
+    # the final evaluation's games are kept, as pi_3's, and are the games its final/ line scores
+    final = read_episodes(RunDir(run_dir).heldout(3))
+    assert len(final) == 2 and {(ep.iteration, ep.kernel.split) for ep in final} == {(3, "heldout")}
+    outcomes = [ep.result.roles[seat.name].outcome for ep in final for seat in ep.seats]
+    assert lines[2]["final/outcome"] == pytest.approx(sum(outcomes) / len(outcomes))
     # the hf backend samples the learner's own module: the gap is float noise and no correction applies
     assert lines[1]["offpolicy/max_gap"] <= 1e-4 and lines[1]["offpolicy/weight_mean"] == 1.0
     assert [c.name for c in RunDir(run_dir).complete_checkpoints()] == ["000002", "000003"]  # keep_checkpoints = 2

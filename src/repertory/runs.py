@@ -139,6 +139,11 @@ class RunDir:
         """Iteration ``iteration``'s per-turn advantages and returns."""
         return self.root / "credit" / f"iter-{iteration:06d}.parquet"
 
+    def heldout(self, done: int) -> Path:
+        """The games of the held-out evaluation of the policy after ``done`` updates (the trainer keeps the
+        final evaluation's, so the report can show the trained policy playing)."""
+        return self.root / "heldout" / f"iter-{done:06d}.parquet"
+
     def turns(self, round_index: int) -> Path:
         """Deployment round ``round_index``'s logged turns."""
         return self.root / "rounds" / f"turns-{round_index:06d}.parquet"

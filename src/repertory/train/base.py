@@ -10,6 +10,7 @@ identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -34,7 +35,7 @@ from repertory.models import LoadedModel, base_weights, load_model
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
 from repertory.runs import RunDir
-from repertory.store import write_credit
+from repertory.store import write_credit, write_episodes
 from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
@@ -291,8 +292,9 @@ class Trainer:
         if distributed.is_main():
             write_credit(self.run_dir.credit(iteration), batch.credit_rows())
 
-    def evaluate(self, iteration: int) -> dict[str, Any]:
-        """Held-out evaluation of the live policy (deterministic in seed and iteration)."""
+    def evaluate(self, iteration: int, keep: Path | None = None) -> dict[str, Any]:
+        """Held-out evaluation of the live policy (deterministic in seed and iteration); its games are written to
+        ``keep`` where given, marked as played at ``iteration``."""
         start = time.perf_counter()
         config = self.config
         result = evaluate(
@@ -307,6 +309,8 @@ class Trainer:
             judge=self.judge,
         )
         self.backend.reset_cache()
+        if keep is not None:
+            write_episodes(keep, [dataclasses.replace(ep, iteration=iteration) for ep in result.played])
         out: dict[str, Any] = {
             "eval/outcome": result.overall[0],
             "eval/outcome_se": result.overall[1],
@@ -396,7 +400,7 @@ class Trainer:
                     line.update({k: v - judged[k] for k, v in self.judge.stats.as_metrics().items()})
                 done = iteration + 1
                 if done == config.iterations and config.eval.episodes and main:
-                    final = self.evaluate(done)
+                    final = self.evaluate(done, keep=self.run_dir.heldout(done))
                     line.update(
                         {f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")}
                     )

@@ -19,6 +19,7 @@ archer-lc) is one deployment round k:
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from repertory.config import TrainConfig
@@ -89,9 +90,9 @@ class RoundsTrainer(Trainer):
         if self.offline:
             raise RuntimeError(f"{what} while the policy improves offline (docs/algorithms.md 5.2 forbids it)")
 
-    def evaluate(self, iteration: int) -> dict[str, Any]:
+    def evaluate(self, iteration: int, keep: Path | None = None) -> dict[str, Any]:
         self._online("a held-out evaluation")
-        return super().evaluate(iteration)
+        return super().evaluate(iteration, keep)
 
     def deploy(self, round_index: int) -> tuple[list[LoggedTurn], list[Episode]]:
         """Round k's data: the user's logs (round 0 with ``method.logs``) or a deployment of pi_k."""
