@@ -12,15 +12,26 @@ from repertory.report import results_table, run_scores
 from repertory.types import RepertoryError
 
 
-def _run(root, name, method, env, seed, curve, final):
-    """A run directory whose metrics hold held-out J of pi_0..pi_{K-1} per iteration and pi_K as final/."""
+def _run(root, name, method, env, seed, curve, final, metric="discounted_return", extra=()):
+    """A run directory whose metrics hold the held-out ``metric`` (J) of pi_0..pi_{K-1} per iteration and pi_K as
+    final/."""
     run = root / name
     run.mkdir(parents=True)
-    overrides = [f"rollout.env={env}", "rollout.opponent=bot", f"seed={seed}"]
+    overrides = [f"rollout.env={env}", "rollout.opponent=bot", f"seed={seed}", *extra]
     overrides += [f"method.kind={method}"] if method != "omar" else []
     (run / "config.yaml").write_text(dump_config(load_config(None, overrides)))
-    lines = [{"iteration": k, "eval/discounted_return": j} for k, j in enumerate(curve)]
-    lines[-1]["final/discounted_return"] = final
+    lines = [{"iteration": k, f"eval/{metric}": j} for k, j in enumerate(curve)]
+    lines[-1][f"final/{metric}"] = final
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
+
+
+def _gamma_zero_run(root, name, seed, outcomes, final):
+    """The default recipe's kind of run: omar at method.gamma 0 on IPD, so every held-out J is 0."""
+    run = _run(root, name, "omar", "ipd", seed, outcomes, final, "outcome", ["method.gamma=0", "rollout.opponent=self"])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line.update({k.replace("outcome", "discounted_return"): 0.0 for k in list(line) if k != "iteration"})
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run
 
@@ -45,6 +56,7 @@ def test_run_scores_read_base_best_and_last(runs):
 
 def test_best_checkpoint_table_matches_q5(runs):
     table = results_table(runs)
+    assert (table.metric, table.why) == ("discounted_return", "")  # every run discounts: J, the paper's score
     mean, se, n = table.cells[("igrpo", "craigslist")]
     assert (mean, n) == (pytest.approx(0.55), 3) and se == pytest.approx(0.0115, abs=1e-4)
     assert table.text("igrpo", "craigslist") == "0.55 ± .01"
@@ -117,3 +129,43 @@ def test_report_redraws_a_runs_figures(runs, capsys):
     assert (runs[0] / "report" / "outcome.png").is_file() and (runs[0] / "report" / "kl_entropy.png").is_file()
     assert not (runs[0] / "report" / "throughput.png").exists()  # only figures that have data
     assert "outcome.png" in capsys.readouterr().out.replace("\n", "")
+
+
+J_IS_ZERO = (
+    "J = gamma^(n-1) x outcome is then 0 for every game in which the agent took more than one turn, whatever it played"
+)
+
+
+def test_runs_at_gamma_zero_are_tabled_by_their_outcome_and_the_table_says_why(tmp_path, runs):
+    zero = [
+        _gamma_zero_run(tmp_path, "omar-ipd-0", 0, [0.80, 0.83], 0.86),
+        _gamma_zero_run(tmp_path, "omar-ipd-1", 1, [0.78, 0.84], 0.82),
+    ]
+    table = results_table(zero)
+    # best trained checkpoint per seed: 0.86 (final) and 0.84 (iteration 1); base 0.80 and 0.78
+    assert table.metric == "outcome" and table.cells[("omar", "ipd")] == (pytest.approx(0.85), pytest.approx(0.01), 2)
+    assert table.cells[("base", "ipd")][0] == pytest.approx(0.79)
+    assert table.why == f"the outcome, not J: method.gamma is 0 in 2 of the 2 runs, and {J_IS_ZERO}"
+    assert table.csv().splitlines()[2] == "omar,ipd,0.850000,0.010000,2,best,outcome"
+    explicit = results_table(zero, metric="discounted_return")  # asked for, J it is: every cell 0
+    assert (explicit.metric, explicit.why, explicit.text("omar", "ipd")) == ("discounted_return", "", "0.00 ± .00")
+    # one table, one score: a single gamma-0 run makes the others' cells outcomes too
+    for run, outcome in zip(runs[:2], (0.6, 0.7)):
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        lines[0]["eval/outcome"], lines[-1]["final/outcome"] = 0.5, outcome
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    mixed = results_table([*runs[:2], zero[0]])
+    assert mixed.metric == "outcome" and mixed.cells[("igrpo", "craigslist")][0] == pytest.approx(0.65)
+    assert mixed.why == f"the outcome, not J: method.gamma is 0 in omar-ipd-0, and {J_IS_ZERO}"
+
+
+def test_report_table_at_gamma_zero_prints_the_outcome_and_why(tmp_path, capsys):
+    zero = [_gamma_zero_run(tmp_path, "omar-ipd-0", 0, [0.80, 0.83], 0.86)]
+    main(["report", "--table", str(zero[0])])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "held-out outcome, best checkpoint" in printed and "0.86 ± .00" in printed and "0.80 ± .00" in printed
+    why = f"the outcome, not J: method.gamma is 0 in omar-ipd-0, and {J_IS_ZERO} (--metric discounted_return shows J)"
+    assert why in printed
+    main(["report", "--table", str(zero[0]), "--metric", "discounted_return"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "held-out expected discounted return, best checkpoint" in printed and "not J" not in printed

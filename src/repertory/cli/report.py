@@ -16,17 +16,21 @@ def report(
         False, "--table", help="One table of methods x environments over the runs, instead of each run's figures."
     ),
     checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
-    metric: str = typer.Option(
-        "discounted_return", "--metric", help="--table: discounted_return (J at the method's discount) or outcome."
+    metric: str | None = typer.Option(
+        None,
+        "--metric",
+        help="--table: discounted_return (J at the method's discount) or outcome; default J, or the outcome where a "
+        "run's method.gamma is 0 (J is then 0 for every policy).",
     ),
     out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
     max_episodes: int = typer.Option(
         300, "--max-episodes", min=0, help="Episodes in the page's browser; more are sampled evenly across iterations."
     ),
 ) -> None:
-    """Redraw a run's learning curves and its page RUN/report/index.html (curves, config, evaluations and an
-    episode browser; self-contained, opens from file://), or (--table) the held-out expected discounted return
-    (or outcome) of methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
+    """Redraw a run's learning curves and its page RUN/report/index.html (the held-out outcome and the game's key
+    behaviour before and after, curves, config, evaluations and an episode browser with the final held-out games;
+    self-contained, opens from file://), or (--table) the held-out expected discounted return (or outcome) of
+    methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
     from repertory.report import TABLE_METRICS, results_table, write_report
     from repertory.runs import RunDir
 
@@ -40,7 +44,7 @@ def report(
         return
     result = results_table(runs, checkpoint, metric)
     seeds = {n for _, _, n in result.cells.values()}
-    grid = Table(title=f"{TABLE_METRICS[metric]}, {checkpoint} checkpoint, mean ± SE over seeds")
+    grid = Table(title=f"{TABLE_METRICS[result.metric]}, {checkpoint} checkpoint, mean ± SE over seeds")
     grid.add_column("method")
     for env in result.envs:
         grid.add_column(env, justify="right")
@@ -48,6 +52,8 @@ def report(
         grid.add_row(method, *(result.text(method, env) for env in result.envs))
     out.print(grid)
     out.print(f"seeds per cell: {', '.join(map(str, sorted(seeds)))}")
+    if result.why:
+        out.print(f"{result.why} (--metric discounted_return shows J)", markup=False)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "table.md").write_text(result.markdown())

@@ -250,10 +250,11 @@ class SuiteConfig(_Section):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
     output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
-    metric: Literal["discounted_return", "outcome"] = Field(
-        "discounted_return",
+    metric: Literal["discounted_return", "outcome"] | None = Field(
+        None,
         description="The table's held-out score: the expected discounted return J at the method's discount (5.7), "
-        "or the mean normalised outcome.",
+        "or the mean normalised outcome; default J, or the outcome where a run's method.gamma is 0 (J is then 0 "
+        "for every policy).",
     )
     warm_start: WarmStartConfig | None = Field(
         None, description="Every run starts from its environment's warm start (see WarmStartConfig), built once."

@@ -7,14 +7,25 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from repertory.config import load_config  # noqa: E402
-from repertory.report.metrics import FIGURES, metric_series, read_metrics, with_final  # noqa: E402
+from repertory.report.metrics import (  # noqa: E402
+    FIGURES,
+    J_IS_ZERO,
+    Series,
+    metric_series,
+    read_metrics,
+    scale_title,
+    split_by_scale,
+    with_final,
+)
 from repertory.runs import RunDir  # noqa: E402
 from repertory.stats import finite_number, format_mean_se, seed_summary  # noqa: E402
 from repertory.types import RepertoryError  # noqa: E402
@@ -35,33 +46,43 @@ def write_report(
     written = []
     for filename, (title, prefixes) in FIGURES.items():
         series = metric_series(lines, prefixes)
-        if not series:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, (xs, ys) in series.items():
-            se_key = key.replace("eval/outcome", "eval/outcome_se", 1) if key.startswith("eval/outcome") else None
-            errors = None
-            if se_key:
-                se = {line["iteration"]: line.get(se_key) for line in lines if key in line}
-                errors = [se[x] if finite_number(se[x]) else 0.0 for x in xs]
-            marker = "o" if len(xs) < 30 else None
-            if errors and any(errors):
-                ax.errorbar(xs, ys, yerr=errors, label=key, marker=marker, capsize=3)
-            else:
-                ax.plot(xs, ys, label=key, marker=marker)
-        ax.set_title(title)
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / filename
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        if series:
+            written.append(_draw_figure(out_dir / filename, title, split_by_scale(series), lines))
     page, warnings = write_page(run_dir, MAX_EPISODES if max_episodes is None else max_episodes)
     for warning in warnings if on_warning is not None else []:
         on_warning(warning)
     return [*written, page]
+
+
+def _draw_figure(path: Path, title: str, groups: list[Series], lines: list[dict[str, Any]]) -> Path:
+    """One figure file, a panel per scale group (one axis never mixes a 0-55 payoff with 0-1 rates)."""
+    fig, axes = plt.subplots(len(groups), 1, figsize=(7, 1.0 + 3.0 * len(groups)), squeeze=False)
+    for ax, group in zip(axes[:, 0], groups):
+        for key, (xs, ys) in group.items():
+            _draw_series(ax, key, xs, ys, lines)
+        ax.set_title(scale_title(title, group, len(groups)), fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _draw_series(ax: Any, key: str, xs: list[float], ys: list[float], lines: list[dict[str, Any]]) -> None:
+    """One series; a held-out outcome with its standard errors as error bars."""
+    errors = None
+    if key.startswith("eval/outcome"):
+        se_key = key.replace("eval/outcome", "eval/outcome_se", 1)
+        se = {line["iteration"]: line.get(se_key) for line in lines if key in line}
+        errors = [se[x] if finite_number(se[x]) else 0.0 for x in xs]
+    marker = "o" if len(xs) < 30 else None
+    if errors and any(errors):
+        ax.errorbar(xs, ys, yerr=errors, label=key, marker=marker, capsize=3)
+    else:
+        ax.plot(xs, ys, label=key, marker=marker)
 
 
 def write_matrix_figure(
@@ -143,6 +164,8 @@ class ResultsTable:
     cells: dict[tuple[str, str], tuple[float, float, int]]
     checkpoint: str
     metric: str = "discounted_return"
+    why: str = ""
+    """Why the table holds the outcome where none was asked for (see :func:`default_metric`); else empty."""
 
     def text(self, method: str, env: str) -> str:
         cell = self.cells.get((method, env))
@@ -160,14 +183,30 @@ class ResultsTable:
         return "\n".join(rows) + "\n"
 
 
+def default_metric(runs: Sequence[str | os.PathLike[str]]) -> tuple[str, str]:
+    """The score of a table of ``runs`` where none is asked for, and why when it is not J: J (5.7), unless a
+    run's ``method.gamma`` is 0, where J is 0 for every policy that plays more than one turn. A table holds one
+    score, so then every run's cell is its outcome, which a gamma-0 run's J would otherwise read 0 beside."""
+    flat = [RunDir.existing(run).name for run in runs if _discount(run) == 0]
+    if not flat:
+        return "discounted_return", ""
+    who = flat[0] if len(flat) == 1 else f"{len(flat)} of the {len(runs)} runs"
+    return "outcome", f"the outcome, not J: method.gamma is 0 in {who}, and {J_IS_ZERO}"
+
+
+def _discount(run: str | os.PathLike[str]) -> float:
+    return load_config(str(RunDir.existing(run).config)).method.discount
+
+
 def results_table(
-    runs: Sequence[str | os.PathLike[str]], checkpoint: str = "best", metric: str = "discounted_return"
+    runs: Sequence[str | os.PathLike[str]], checkpoint: str = "best", metric: str | None = None
 ) -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J (or outcome) of each
     seed's best (or last) in-training checkpoint, mean ± SE over seeds; the base row averages the initial
-    policies."""
+    policies. Without a ``metric``, :func:`default_metric` chooses."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
+    metric, why = default_metric(runs) if metric is None else (metric, "")
     _check_metric(metric)
     scores = [run_scores(r, metric) for r in runs]
     seen: dict[tuple[str, str, int], Path] = {}
@@ -187,7 +226,7 @@ def results_table(
     cells = {key: (*seed_summary(values), len(values)) for key, values in per_cell.items()}
     envs = sorted({env for _, env in cells})
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
-    return ResultsTable(envs, methods, cells, checkpoint, metric)
+    return ResultsTable(envs, methods, cells, checkpoint, metric, why)
 
 
 def _check_metric(metric: str) -> None:

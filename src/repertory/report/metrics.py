@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from repertory.envs import KeyMetric
 from repertory.runs import RunDir
 from repertory.stats import finite_number
 
@@ -66,6 +67,54 @@ def metric_series(lines: list[dict[str, Any]], prefixes: tuple[str, ...]) -> dic
     return out
 
 
+J_IS_ZERO = (
+    "J = gamma^(n-1) x outcome is then 0 for every game in which the agent took more than one turn, whatever it played"
+)
+"""Why J says nothing of a run whose discount is 0 (docs/algorithms.md 5.7): its tables show the outcome."""
+
+SCALE_RATIO = 5.0
+"""Series share an axis only where their largest magnitudes are within this factor of each other."""
+
+Series = dict[str, tuple[list[float], list[float]]]
+
+
+def _in_unit_range(ys: list[float]) -> bool:
+    return all(0 <= y <= 1 for y in ys)
+
+
+def _magnitude(ys: list[float]) -> float:
+    return max(abs(y) for y in ys)
+
+
+def split_by_scale(series: Series) -> list[Series]:
+    """The series in groups that can share an axis: rates and shares (every value in [0, 1]) apart from the
+    rest, and within each, magnitudes no more than :data:`SCALE_RATIO` apart, so a 0-55 payoff never flattens a
+    0-1 rate; groups in order of magnitude, rates first, each keeping the series' own order."""
+    order = sorted(series, key=lambda k: (not _in_unit_range(series[k][1]), -_magnitude(series[k][1])))
+    groups: list[list[str]] = []
+    for key in order:
+        ys = series[key][1]
+        top = series[groups[-1][0]][1] if groups else None
+        same_kind = top is not None and _in_unit_range(ys) == _in_unit_range(top)
+        # an all-zero series (nothing invalid, no draw) says nothing of scale: it joins the group before it
+        if same_kind and (_magnitude(ys) == 0 or _magnitude(ys) * SCALE_RATIO >= _magnitude(top)):
+            groups[-1].append(key)
+        else:
+            groups.append([key])
+    return [{key: series[key] for key in series if key in group} for group in groups]
+
+
+def scale_title(title: str, group: Series, groups: int) -> str:
+    """A figure's title, naming which of its ``groups`` scales ``group`` draws where it was split."""
+    if groups == 1:
+        return title
+    if len(group) == 1:
+        return f"{title}: {next(iter(group))}"
+    if all(_in_unit_range(ys) for _, ys in group.values()):
+        return f"{title}: rates and shares (0-1)"
+    return f"{title}: values up to {max(_magnitude(ys) for _, ys in group.values()):.3g}"
+
+
 @dataclass(frozen=True)
 class HeldOutChange:
     """The held-out outcome of the policy before the first update and after the last, each with its standard
@@ -115,3 +164,37 @@ def held_out_change(lines: list[dict[str, Any]]) -> HeldOutChange | None:
 
 def _or_zero(value: Any) -> float:
     return value if finite_number(value) else 0.0
+
+
+@dataclass(frozen=True)
+class BehaviourChange:
+    """The game's key behaviour (its :class:`~repertory.envs.KeyMetric`) at the first and the last held-out
+    evaluation: what the policy learned, next to the headline's outcome."""
+
+    metric: KeyMetric
+    first_iteration: int
+    last_iteration: int
+    before: float
+    after: float
+
+    @property
+    def change(self) -> float:
+        return self.after - self.before
+
+    @property
+    def verdict(self) -> str:
+        """The game's words for the change: "it defects more" (IPD, cooperation down)."""
+        if self.after == self.before:
+            return "unchanged"
+        return self.metric.rises if self.after > self.before else self.metric.falls
+
+
+def behaviour_change(lines: list[dict[str, Any]], metric: KeyMetric) -> BehaviourChange | None:
+    """The held-out mean of ``metric`` (``eval/env/NAME``) at the first and the last evaluation that report it,
+    or None when fewer than two do."""
+    key = f"eval/env/{metric.name}"
+    points = [(line["iteration"], line[key]) for line in with_final(lines) if finite_number(line.get(key))]
+    if len(points) < 2:
+        return None
+    (first, before), (last, after) = points[0], points[-1]
+    return BehaviourChange(metric, first, last, before, after)

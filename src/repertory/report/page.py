@@ -1,11 +1,13 @@
 """``report/index.html``: one self-contained page per run (no server, no network; it opens from ``file://``).
 
-The page holds the learning curves (the series the PNG figures draw), the resolved config, the held-out
-evaluations of the metrics lines with a headline (the held-out outcome before the first update and after the
-last, the rise in standard errors), any cross-play results saved into the run (``crossplay-ENV.json``), and an
+The page holds the learning curves (the series the PNG figures draw, split by scale), the resolved config, the
+held-out evaluations of the metrics lines with a headline (the held-out outcome before the first update and after
+the last, the rise in standard errors, and beside it the change in the game's key behaviour, its
+:class:`~repertory.envs.KeyMetric`), any cross-play results saved into the run (``crossplay-ENV.json``), and an
 episode browser: every seat's transcript as that seat saw it, with channels, invalid actions and the referee's
-reason, rewards and, for trained turns, the advantage and return the estimator gave (``credit/``). Large runs
-are sampled evenly across iterations so the file stays under :data:`MAX_BYTES`.
+reason, rewards and, for trained turns, the advantage and return the estimator gave (``credit/``). The browser
+holds the training episodes and the final held-out evaluation's games (``heldout/``), the trained policy playing.
+Large runs are sampled evenly across iterations so the file stays under :data:`MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -16,18 +18,24 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from repertory.config import load_config
+from repertory.envs import KeyMetric, env_class
 from repertory.report.metrics import (
     FIGURES,
+    J_IS_ZERO,
+    behaviour_change,
     held_out_change,
     is_standard_error,
     metric_series,
     read_metrics,
+    scale_title,
+    split_by_scale,
     with_final,
 )
 from repertory.runs import RunDir
@@ -110,15 +118,23 @@ def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
     return [flat[(2 * i + 1) * len(flat) // (2 * limit)] for i in range(limit)]
 
 
-def _evaluations(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """The held-out evaluations of the metrics lines: one row per evaluated iteration (``final/*`` one later)."""
+def _evaluations(lines: list[dict[str, Any]], discount: float | None) -> dict[str, Any]:
+    """The held-out evaluations of the metrics lines: one row per evaluated iteration (``final/*`` one later),
+    and a note on J at the run's ``discount``; at 0 J is left out, being 0 whatever the policy did."""
     rows = []
     for line in with_final(lines):
         values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        if discount == 0:
+            values = {k: v for k, v in values.items() if not k.startswith("discounted_return")}
         if values:
             rows.append({"iteration": line["iteration"], **values})
     columns = sorted({k for row in rows for k in row if k != "iteration" and not is_standard_error(k)}, key=_eval_order)
-    return {"columns": columns, "rows": rows}
+    note = ""
+    if discount == 0:
+        note = f"discounted_return (J) is left out: this run's method.gamma is 0, and {J_IS_ZERO}."
+    elif discount is not None and "discounted_return" in columns:
+        note = f"discounted_return is J, the expected return discounted by method.gamma = {discount:g} per own turn."
+    return {"columns": columns, "rows": rows, "note": note}
 
 
 def _eval_order(key: str) -> tuple[int, str]:
@@ -128,22 +144,53 @@ def _eval_order(key: str) -> tuple[int, str]:
     return 9, key
 
 
-def _headline(run_dir: RunDir, lines: list[dict[str, Any]], warnings: list[str]) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class _RunFacts:
+    """What the page reads from the run's config: the evaluation line-up, the game's key metric, J's discount."""
+
+    opponent: str | None = None
+    key_metric: KeyMetric | None = None
+    discount: float | None = None
+
+
+def _run_facts(run_dir: RunDir, warnings: list[str]) -> _RunFacts:
+    if not run_dir.is_run():
+        return _RunFacts()
+    try:
+        config = load_config(str(run_dir.config))
+        return _RunFacts(config.evaluation_opponent, env_class(config.rollout.env).key_metric, config.method.discount)
+    except RepertoryError as exc:
+        warnings.append(f"{run_dir.config}: the game and the evaluation line-up are unknown ({exc})")
+        return _RunFacts()
+
+
+def _headline(lines: list[dict[str, Any]], facts: _RunFacts) -> dict[str, Any] | None:
     """The held-out outcome before the first update and after the last, against the evaluation line-up."""
     change = held_out_change(lines)
     if change is None:
         return None
-    opponent = None
-    if run_dir.is_run():
-        try:
-            opponent = load_config(str(run_dir.config)).evaluation_opponent
-        except RepertoryError as exc:
-            warnings.append(f"{run_dir.config}: the evaluation line-up is unknown ({exc})")
     return {
-        "opponent": opponent,
+        "opponent": facts.opponent,
         **dataclasses.asdict(change),
         "rise": change.rise,
         "standard_errors": change.standard_errors,
+    }
+
+
+def _behaviour(lines: list[dict[str, Any]], facts: _RunFacts) -> dict[str, Any] | None:
+    """The change in the game's key behaviour between the first and the last held-out evaluation."""
+    change = behaviour_change(lines, facts.key_metric) if facts.key_metric is not None else None
+    if change is None:
+        return None
+    return {
+        "metric": change.metric.name,
+        "label": change.metric.label,
+        "first_iteration": change.first_iteration,
+        "last_iteration": change.last_iteration,
+        "before": change.before,
+        "after": change.after,
+        "change": change.change,
+        "verdict": change.verdict,
     }
 
 
@@ -165,40 +212,77 @@ def _crossplay(run_dir: RunDir, warnings: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def page_data(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES) -> tuple[dict[str, Any], list[str]]:
-    """Everything the page shows, and one warning per file that could not be read (the rest still shows)."""
-    run_dir = RunDir(run_dir)
-    warnings: list[str] = []
-    lines = read_metrics(run_dir)
+def _figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The learning curves, one chart per figure and scale (:func:`split_by_scale`), only series with points."""
     figures = []
     for filename, (title, prefixes) in FIGURES.items():
         series = metric_series(with_final(lines), prefixes)
-        if series:
-            points = {key: [[x, y] for x, y in zip(xs, ys)] for key, (xs, ys) in series.items()}
-            figures.append({"id": filename.removesuffix(".png"), "title": title, "series": points})
+        groups = split_by_scale(series) if series else []
+        for i, group in enumerate(groups):
+            figures.append(
+                {
+                    "id": filename.removesuffix(".png") + (f"-{i + 1}" if i else ""),
+                    "title": scale_title(title, group, len(groups)),
+                    "series": {key: [[x, y] for x, y in zip(xs, ys)] for key, (xs, ys) in group.items()},
+                }
+            )
+    return figures
+
+
+def _read(paths: list[Path], warnings: list[str]) -> list[list[Episode]]:
+    """The episodes of each readable file; each unreadable one becomes a warning."""
+    out = []
+    for path in paths:
+        try:
+            out.append(read_episodes(path))
+        except StoreError as exc:
+            warnings.append(str(exc))
+    return out
+
+
+def _final_games(run_dir: RunDir, lines: list[dict[str, Any]], warnings: list[str]) -> list[Episode]:
+    """The games of the evaluation after the last update (``final/*`` of the metrics lines), where kept."""
+    done = [line["iteration"] + 1 for line in lines if any(k.startswith("final/") for k in line)]
+    if not done or not run_dir.heldout(done[-1]).is_file():
+        return []
+    return [ep for games in _read([run_dir.heldout(done[-1])], warnings) for ep in games]
+
+
+def _episodes(
+    run_dir: RunDir, lines: list[dict[str, Any]], limit: int, warnings: list[str]
+) -> tuple[list[dict[str, Any]], int]:
+    """An even sample of at most ``limit`` episodes as the browser reads them, the final held-out games with up
+    to half of it (so a long run still shows the trained policy), and how many episodes the run has."""
     credit: Credit = {}
     for path in run_dir.iteration_files("credit"):
         try:
             credit.update(read_credit(path))
         except StoreError as exc:
             warnings.append(str(exc))
-    per_iteration: list[list[Episode]] = []
-    for path in run_dir.iteration_files("episodes"):
-        try:
-            per_iteration.append(read_episodes(path))
-        except StoreError as exc:
-            warnings.append(str(exc))
-    total = sum(len(g) for g in per_iteration)
-    episodes = [episode_record(ep, credit) for ep in sample_evenly(per_iteration, max_episodes)]
-    crossplay = _crossplay(run_dir, warnings)
+    training = _read(run_dir.iteration_files("episodes"), warnings)
+    final = _final_games(run_dir, lines, warnings)
+    shown = sample_evenly(training, limit - min(len(final), limit // 2))
+    records = [{**episode_record(ep, credit), "source": "training"} for ep in shown]
+    records += [{**episode_record(ep, {}), "source": "final"} for ep in sample_evenly([final], limit - len(shown))]
+    return records, sum(len(g) for g in training) + len(final)
+
+
+def page_data(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES) -> tuple[dict[str, Any], list[str]]:
+    """Everything the page shows, and one warning per file that could not be read (the rest still shows)."""
+    run_dir = RunDir(run_dir)
+    warnings: list[str] = []
+    lines = read_metrics(run_dir)
+    facts = _run_facts(run_dir, warnings)
+    episodes, total = _episodes(run_dir, lines, max_episodes, warnings)
     data = {
         "run": run_dir.root.resolve().name,
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": run_dir.config.read_text() if run_dir.is_run() else "",
-        "figures": figures,
-        "headline": _headline(run_dir, lines, warnings),
-        "evaluations": _evaluations(lines),
-        "crossplay": crossplay,
+        "figures": _figures(lines),
+        "headline": _headline(lines, facts),
+        "behaviour": _behaviour(lines, facts),
+        "evaluations": _evaluations(lines, facts.discount),
+        "crossplay": _crossplay(run_dir, warnings),
         "episodes": episodes,
         "episodes_total": total,
         "warnings": warnings,

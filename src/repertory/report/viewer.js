@@ -24,9 +24,10 @@ function svg(tag, attrs) {
   return node;
 }
 
-function num(value, digits = 3) {
+// A value with `digits` decimals; an integer bare unless `fixed` (a rate of exactly 1 reads "1.000" beside "0.562").
+function num(value, digits = 3, fixed = false) {
   if (value === null || value === undefined) return "—";
-  if (Number.isInteger(value)) return String(value);
+  if (Number.isInteger(value) && !fixed) return String(value);
   return Number(value).toFixed(digits);
 }
 
@@ -42,6 +43,26 @@ function ticks(lo, hi, n) {
   return Array.from({length: n}, (_, i) => lo + i * step);
 }
 
+// About `count` ticks at a round step (1, 2 or 5 x 10^k) from a multiple below `lo` to one above `hi`: the axis
+// spans them, so every label is a short round number (0.01, not 0.00598).
+function niceTicks(lo, hi, count) {
+  const raw = (hi - lo) / (count - 1);
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(m => m * power).find(s => s >= raw * (1 - 1e-9));
+  const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const values = [];
+  for (let i = Math.floor(lo / step + 1e-9); i <= Math.ceil(hi / step - 1e-9); i++) {
+    values.push(Number((i * step).toFixed(decimals)));
+  }
+  return values;
+}
+
+function tickLabel(value) {
+  if (Math.abs(value) >= 1e6) return `${Number((value / 1e6).toPrecision(3))}M`;
+  if (Math.abs(value) >= 1e4) return `${Number((value / 1e3).toPrecision(3))}k`;
+  return String(value);
+}
+
 // Bounds by a loop: spreading a long series into Math.min would overflow the call stack.
 function bounds(values) {
   let lo = Infinity, hi = -Infinity;
@@ -51,18 +72,23 @@ function bounds(values) {
 
 function drawChart(figure) {
   const width = 460, height = 220, left = 48, right = 10, top = 8, bottom = 24;
-  const all = Object.values(figure.series).flat().filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]));
+  const drawn = Object.entries(figure.series)
+    .map(([key, points]) => [key, points.filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]))])
+    .filter(([, points]) => points.length);  // a series without points has no line, so no legend entry
+  const all = drawn.flatMap(([, points]) => points);
   if (!all.length) return null;
   const [x0, x1] = bounds(all.map(p => p[0]));
-  let [y0, y1] = bounds(all.map(p => p[1]));
-  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  let [lo, hi] = bounds(all.map(p => p[1]));
+  if (lo === hi) { lo -= 0.5; hi += 0.5; }
+  const yTicks = niceTicks(lo, hi, 5);
+  const [y0, y1] = [yTicks[0], yTicks[yTicks.length - 1]];
   const sx = x => left + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (width - left - right);
   const sy = y => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
   const chart = svg("svg", {viewBox: `0 0 ${width} ${height}`, width, height, role: "img"});
-  for (const y of ticks(y0, y1, 5)) {
+  for (const y of yTicks) {
     chart.append(svg("line", {x1: left, x2: width - right, y1: sy(y), y2: sy(y), stroke: "#e6e9ed"}));
-    const label = svg("text", {x: left - 4, y: sy(y) + 3, "text-anchor": "end"});
-    label.textContent = Math.abs(y) >= 1000 ? y.toExponential(1) : Number(y.toPrecision(3)).toString();
+    const label = svg("text", {x: left - 4, y: sy(y) + 3, "text-anchor": "end", class: "ytick"});
+    label.textContent = tickLabel(y);
     chart.append(label);
   }
   for (const x of [...new Set(ticks(x0, x1, Math.min(6, x1 - x0 + 1)).map(Math.round))]) {
@@ -71,9 +97,8 @@ function drawChart(figure) {
     chart.append(label);
   }
   const legend = el("div", {class: "legend"});
-  Object.entries(figure.series).forEach(([key, points], i) => {
+  drawn.forEach(([key, shown], i) => {
     const colour = COLOURS[i % COLOURS.length];
-    const shown = points.filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]));
     chart.append(svg("polyline", {points: shown.map(p => `${sx(p[0])},${sy(p[1])}`).join(" "), fill: "none",
       stroke: colour, "stroke-width": 1.6}));
     if (shown.length < 40) {
@@ -131,6 +156,7 @@ function renderEvaluations() {
     box.append(el("h3", {text: "Held-out evaluations (iteration k: the policy before its update; the last row: after the last)"}),
       el("div", {class: "scroll"}, el("table", {class: "grid", id: "heldout-table"}, el("thead", {}, head),
         el("tbody", {}, ...body))));
+    if (evals.note) box.append(el("p", {class: "muted", id: "eval-note", text: evals.note}));
   }
   for (const result of DATA.crossplay) {
     box.append(...matrixTable(`Cross-play ${result.env} (${result.file}): M, mean normalised outcome of row vs column`,
@@ -159,10 +185,29 @@ function renderHeadline() {
     `(iteration ${h.last_iteration}), ${signed(h.rise)}, ${size}`);
 }
 
+// Beside it, what the policy learned: the change in the game's key behaviour, and a way to watch it play.
+function renderBehaviour() {
+  const b = DATA.behaviour;
+  const box = document.getElementById("behaviour");
+  const finals = DATA.episodes.filter(ep => ep.source === "final").length;
+  if (b) {
+    box.append(el("strong", {text: `Held-out ${b.label}: `}),
+      `${num(b.before, 3, true)} (iteration ${b.first_iteration}) → ${num(b.after, 3, true)} (iteration ${b.last_iteration}), ` +
+      `${signed(b.change)}: `, el("strong", {text: b.verdict}));
+  }
+  if (finals) {
+    box.append(" ", el("a", {href: "#episodes", id: "watch-final", onclick: () => {
+      filters.source.value = "final"; state.page = 0; renderEpisodes();
+    }, text: `Watch the trained policy: ${finals} games of the final held-out evaluation`}));
+  }
+  if (!box.childNodes.length) box.remove();
+}
+
 // Episodes
 
 const state = {page: 0, selected: null, seat: null};
 const filters = {
+  source: document.getElementById("f-source"),
   iteration: document.getElementById("f-iteration"), kernel: document.getElementById("f-kernel"),
   split: document.getElementById("f-split"), role: document.getElementById("f-role"),
   min: document.getElementById("f-min"), max: document.getElementById("f-max"),
@@ -192,10 +237,11 @@ function scoredOutcome(episode, role) {
 
 function visibleEpisodes() {
   const iteration = filters.iteration.value, kernel = filters.kernel.value.trim(), split = filters.split.value;
-  const role = filters.role.value;
+  const role = filters.role.value, source = filters.source.value;
   const lo = filters.min.value === "" ? -Infinity : Number(filters.min.value);
   const hi = filters.max.value === "" ? Infinity : Number(filters.max.value);
   return DATA.episodes.filter(ep => {
+    if (source && ep.source !== source) return false;
     if (iteration !== "" && String(ep.iteration) !== iteration) return false;
     if (kernel && !ep.kernel.includes(kernel)) return false;
     if (split && ep.split !== split) return false;
@@ -212,14 +258,17 @@ function renderEpisodes() {
   state.page = Math.min(state.page, pages - 1);
   const sampled = DATA.episodes.length < DATA.episodes_total
     ? ` (a sample of ${DATA.episodes.length} of the run's ${DATA.episodes_total}, evenly across iterations)` : "";
+  const finals = DATA.episodes.filter(ep => ep.source === "final").length;
+  const held = finals ? `, ${finals} of them from the final held-out evaluation` : "";
   const credited = shown.reduce((n, ep) => n + ep.turns.filter(t => t.advantage !== null).length, 0);
   document.getElementById("episode-count").textContent =
-    `${shown.length} of ${DATA.episodes.length} episodes${sampled}; ${credited} of their turns carry the estimator's credit.`;
+    `${shown.length} of ${DATA.episodes.length} episodes${sampled}${held}; ${credited} of their turns carry the estimator's credit.`;
   const body = document.querySelector("#episode-table tbody");
   body.replaceChildren(...shown.slice(state.page * PAGE_SIZE, (state.page + 1) * PAGE_SIZE).map(ep => {
     const row = el("tr", {"data-episode": ep.id, class: ep.id === state.selected ? "selected" : "",
       onclick: () => { state.selected = ep.id; state.seat = null; renderEpisodes(); }},
-      el("td", {class: "num", text: String(ep.iteration)}), el("td", {text: ep.id}), el("td", {text: ep.kernel}),
+      el("td", {class: "num"}, String(ep.iteration), ep.source === "final" ? el("span", {class: "badge final", text: "final, held-out"}) : null),
+      el("td", {text: ep.id}), el("td", {text: ep.kernel}),
       el("td", {text: ep.split}),
       el("td", {text: ep.seats.map(s => `${s.name} (${s.role}) = ${s.agent}${s.trainable ? " *" : ""}`).join(", ")}),
       el("td", {text: ep.seats.map(s => `${s.name} ${num(result(ep, s).outcome, 2)}`).join(", ")}),
@@ -304,7 +353,9 @@ function renderDetail(ep) {
     type: "button", role: "tab", "aria-selected": String(name === current[0]),
     text: name === "All turns" ? name : `${name} sees`, onclick: () => { state.seat = name; renderDetail(ep); }})));
   box.append(el("div", {class: "detail", id: "detail-panel"},
-    el("h3", {text: `${ep.id} · kernel ${ep.kernel} (${ep.split}) · ended: ${ep.end}`}), results,
+    el("h3", {text: `${ep.id} · kernel ${ep.kernel} (${ep.split}) · ended: ${ep.end}` +
+      (ep.source === "final" ? " · the final held-out evaluation: the trained policy after the last update" : "")}),
+    results,
     el("p", {class: "muted", text: metrics}), tabs, current[1]()));
 }
 
@@ -326,6 +377,7 @@ document.getElementById("run-summary").textContent =
 for (const warning of DATA.warnings) document.getElementById("warnings").append(el("li", {text: warning}));
 document.getElementById("config-text").textContent = DATA.config || "(no config.yaml)";
 renderHeadline();
+renderBehaviour();
 renderCurves();
 renderEvaluations();
 setupFilters();
