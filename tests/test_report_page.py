@@ -340,6 +340,7 @@ def test_a_key_behaviour_says_which_way_it_moved_and_needs_two_evaluations():
     rise = behaviour_change([{"iteration": 0, "eval/env/mutual_cooperation_rate": 0.2},
                              {"iteration": 4, "final/env/mutual_cooperation_rate": 0.9}], ipd)  # fmt: skip
     assert (rise.last_iteration, rise.change, rise.verdict) == (5, pytest.approx(0.7), "it cooperates more")
+    assert rise.describe() == "mutual cooperation 0.200 -> 0.900 (+0.700): it cooperates more"  # train's last lines
     same = behaviour_change([{"iteration": 0, "eval/env/mutual_cooperation_rate": 0.5},
                              {"iteration": 1, "eval/env/mutual_cooperation_rate": 0.5}], ipd)  # fmt: skip
     assert same.verdict == "unchanged"

@@ -66,7 +66,7 @@ def test_best_checkpoint_table_matches_q5(runs):
     )
     assert table.methods == ["base", "igrpo", "mt-kto"] and table.envs == ["craigslist", "ultimatum"]
     assert table.text("igrpo", "ultimatum") == "—"
-    assert table.markdown().splitlines()[2] == "| base | 0.10 ± .01 | 0.00 ± .00 |"
+    assert table.markdown().splitlines()[2] == "| base | 0.10 ± .01 | 0.00 (1 seed) |"  # one seed: no SE to show
     assert "igrpo,craigslist,0.550000,0.011547,3,best" in table.csv()
 
 
@@ -163,7 +163,7 @@ def test_report_table_at_gamma_zero_prints_the_outcome_and_why(tmp_path, capsys)
     zero = [_gamma_zero_run(tmp_path, "omar-ipd-0", 0, [0.80, 0.83], 0.86)]
     main(["report", "--table", str(zero[0])])
     printed = " ".join(capsys.readouterr().out.split())
-    assert "held-out outcome, best checkpoint" in printed and "0.86 ± .00" in printed and "0.80 ± .00" in printed
+    assert "held-out outcome, best checkpoint" in printed and "0.86 (1 seed)" in printed and "0.80 (1 seed)" in printed
     why = f"the outcome, not J: method.gamma is 0 in omar-ipd-0, and {J_IS_ZERO} (--metric discounted_return shows J)"
     assert why in printed
     main(["report", "--table", str(zero[0]), "--metric", "discounted_return"])

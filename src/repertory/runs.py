@@ -2,6 +2,7 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per iteration),
 ``episodes/iter-K.parquet``, ``credit/iter-K.parquet`` (each trained turn's advantage and return),
+``heldout/iter-K.parquet`` (the games of the final held-out evaluation, after K updates),
 ``rounds/turns-K.parquet`` (a deployment round's logged turns), ``snapshots/K.safetensors`` (the opponent pool),
 ``checkpoints/NNNNNN/``, ``report/`` (figures and the self-contained ``index.html``), ``served/`` (conversations
 logged by ``repertory serve``) and the trackers' files (``tensorboard/``, ``wandb/``, ``wandb-run-id``).

@@ -87,8 +87,9 @@ def train(
     import sys
 
     from repertory.config import load_config, recipe_name
+    from repertory.envs import env_class
     from repertory.experiments import load_suite
-    from repertory.report.metrics import held_out_change, read_metrics
+    from repertory.report.metrics import behaviour_change, held_out_change, read_metrics
     from repertory.runs import RunDir
     from repertory.train import distributed, resume_run, start_run
 
@@ -127,9 +128,14 @@ def train(
         return
     out.print(f"run: {run_dir}")
     run = RunDir(run_dir)
-    change = held_out_change(read_metrics(run))
+    lines = read_metrics(run)
+    change = held_out_change(lines)
     if change is not None:
         out.print(f"held-out outcome against {trainer.config.evaluation_opponent}: {change.describe()}")
+    key = env_class(trainer.config.rollout.env).key_metric
+    behaviour = behaviour_change(lines, key) if key is not None else None
+    if behaviour is not None:
+        out.print(f"held-out {behaviour.describe()}")
     out.print(f"metrics: {run.metrics}; learning curves: {run.report}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
     out.print(f"report (open it in a browser): {run.page.resolve()}")

@@ -169,7 +169,10 @@ class ResultsTable:
 
     def text(self, method: str, env: str) -> str:
         cell = self.cells.get((method, env))
-        return format_mean_se(cell[0], cell[1]) if cell else "—"
+        if cell is None:
+            return "—"
+        mean, se, seeds = cell
+        return format_mean_se(mean, se) if seeds > 1 else f"{mean:.2f} (1 seed)"  # one seed has no SE to show
 
     def markdown(self) -> str:
         lines = ["| method | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]

@@ -188,6 +188,10 @@ class BehaviourChange:
             return "unchanged"
         return self.metric.rises if self.after > self.before else self.metric.falls
 
+    def describe(self) -> str:
+        """One line: "mutual cooperation 0.750 -> 0.650 (-0.100): it defects more"."""
+        return f"{self.metric.label} {self.before:.3f} -> {self.after:.3f} ({self.change:+.3f}): {self.verdict}"
+
 
 def behaviour_change(lines: list[dict[str, Any]], metric: KeyMetric) -> BehaviourChange | None:
     """The held-out mean of ``metric`` (``eval/env/NAME``) at the first and the last evaluation that report it,
