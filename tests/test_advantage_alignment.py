@@ -366,7 +366,7 @@ def test_exploit_command_finds_the_always_cooperate_bot_exploitable(tmp_path, ti
     ("argv", "message"),
     [
         (["eval", "exploit", "--env", "ipd"], "exploit needs --env and --victim"),
-        (["eval", "exploit", "--env", "ipd", "--victim", "nobody"], "unknown opponent 'nobody'"),
+        (["eval", "exploit", "--env", "ipd", "--victim", "nobody"], "--victim nobody: unknown agent 'nobody' for ipd"),
         (["eval", "exploit", "--env", "ipd", "--victim", "always-defect", "--seeds", "0"], "at least 1"),
         (["eval", "base", "--env", "ipd", "--victim", "always-defect"], "No such option: --victim"),
     ],

@@ -220,8 +220,9 @@ MODEL_LOADS_AND_GAMES = [
         (["eval", "base", "--env", "ipd", "--option", "reward=hybrid"], "ipd has no option 'reward'; it takes no"),
         (["eval", "base", "--env", "ipd", "--vs", "runs/nope"], "no run or checkpoint directory at runs/nope"),
         (["eval", "exploit", "--env", "ipd", "--victim", "runs/nope"], "--victim runs/nope: agent 'runs/nope': no run"),
-        (["train", "--set", "eval.opponent=nosuch"], "eval.opponent 'nosuch': unknown agent 'nosuch' for ipd"),
-        (["train", "--set", "eval.opponent=model"], "eval.opponent 'model': 'model' is ambiguous in training"),
+        (["train", "--set", "eval.opponent=nosuch"], "(eval.opponent) 'nosuch': unknown agent 'nosuch' for ipd"),
+        (["train", "--set", "eval.opponent=model"], "(eval.opponent) 'model': 'model' is ambiguous in training"),
+        (["train", "--set", "rollout.opponent=model:/no"], "rollout.opponent 'model:/no': model:/no: /no is not a"),
     ],
 )
 def test_user_errors_are_refused_before_any_game_or_model(capsys, monkeypatch, args, message):

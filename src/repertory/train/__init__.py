@@ -43,7 +43,10 @@ def check_names(config: TrainConfig) -> None:
         get_policy_loss(config.algo.policy_loss)
     except RepertoryError as exc:
         raise RepertoryError(f"algo.policy_loss: {exc}") from None
-    for key, spec in (("rollout.opponent", config.rollout.opponent), ("eval.opponent", config.evaluation_opponent)):
+    line_ups = [("rollout.opponent", config.rollout.opponent)]
+    if config.eval.episodes:  # a recipe's evaluation line-up may not exist in another game: named only when used
+        line_ups.append(("the held-out evaluation's line-up (eval.opponent)", config.evaluation_opponent))
+    for key, spec in line_ups:
         if spec in ("self", "pool"):
             continue
         try:
