@@ -207,7 +207,7 @@ def test_a_role_whose_turns_all_have_zero_advantage_is_not_stepped_by_the_other_
 
 
 def test_a_per_role_run_trains_every_role_resumes_exactly_and_exports_a_model_per_role(tmp_path, tokenizer):
-    straight = start_run(_config(tmp_path, "straight"), tiny_model(tokenizer, seed=2))
+    straight = start_run(_config(tmp_path, "straight", "model.precision=float32"), tiny_model(tokenizer, seed=2))
     run_dir = straight.fit()
     checkpoint = RunDir(run_dir).complete_checkpoints()[-1]
     trained = _adapters(checkpoint)
@@ -224,7 +224,7 @@ def test_a_per_role_run_trains_every_role_resumes_exactly_and_exports_a_model_pe
     def stop(line):
         raise Stop
 
-    interrupted = start_run(_config(tmp_path, "interrupted"), tiny_model(tokenizer, seed=2))
+    interrupted = start_run(_config(tmp_path, "interrupted", "model.precision=float32"), tiny_model(tokenizer, seed=2))
     with pytest.raises(Stop):
         interrupted.fit(stop)
     resumed = resume_run(interrupted.run_dir, loaded=tiny_model(tokenizer, seed=2))

@@ -7,9 +7,17 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
-from repertory.generation import SamplingParams, make_backend, samples_exactly
+from repertory.generation import SamplingParams, engine_options, make_backend, samples_exactly
 from repertory.models import load_tokenizer, tiny_model
-from repertory.models.linear import FastLinear, linear, onednn_available, sampling_precision, use_fast_linears
+from repertory.models.linear import (
+    FastLinear,
+    learner_precision,
+    linear,
+    onednn_available,
+    resolve_precision,
+    sampling_precision,
+    use_fast_linears,
+)
 from repertory.types import RepertoryError
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
@@ -127,8 +135,43 @@ def test_hf_backend_in_bfloat16_samples_close_to_the_float32_learner(tokenizer):
         make_backend("hf", loaded, precision="fp8")
 
 
-def test_only_the_float32_hf_engine_counts_as_an_exact_sampler():
+def test_only_the_hf_engine_at_the_learners_precision_counts_as_an_exact_sampler():
     assert samples_exactly("hf", {})
     assert samples_exactly("hf", {"precision": "float32"})
     assert not samples_exactly("hf", {"precision": "bfloat16"})
     assert not samples_exactly("vllm", {})
+    assert samples_exactly("hf", {}, "bfloat16") and engine_options("hf", {}, "bfloat16") == {"precision": "bfloat16"}
+    assert not samples_exactly("hf", {"precision": "float32"}, "bfloat16")  # the user's sampler precision wins
+    assert engine_options("vllm", {"max_model_len": 64}, "bfloat16") == {"max_model_len": 64}
+
+
+@needs_onednn
+def test_the_learners_bfloat16_runs_only_frozen_products_and_matches_the_sampler():
+    torch.manual_seed(0)
+    frozen, trained = FastLinear(64, 32), FastLinear(64, 32)
+    frozen.requires_grad_(False)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    exact = frozen(x)
+    (exact_grad,) = torch.autograd.grad(exact.square().sum(), x)
+    with learner_precision("bfloat16"):
+        reduced = frozen(x)
+        (reduced_grad,) = torch.autograd.grad(reduced.square().sum(), x)
+        assert torch.equal(trained(x), linear(x, trained.weight, trained.bias))  # trained weights stay float32
+    assert reduced.dtype == reduced_grad.dtype == torch.float32 and not torch.equal(reduced, exact)
+    assert torch.allclose(reduced, exact, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(reduced_grad, exact_grad, rtol=5e-2, atol=5e-2)
+    with torch.no_grad(), sampling_precision("bfloat16"):  # the same products the sampler runs: no gap from them
+        assert torch.equal(frozen(x), reduced.detach())
+
+
+def test_auto_precision_is_bfloat16_only_for_a_lora_run_on_one_cpu_learner_with_native_bfloat16(monkeypatch):
+    import repertory.models.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "native_bfloat16", lambda: True)
+    assert resolve_precision("auto", "cpu", lora=True, sharded=False) == "bfloat16"
+    assert resolve_precision("auto", "cpu", lora=False, sharded=False) == "float32"  # full fine-tuning
+    assert resolve_precision("auto", "cpu", lora=True, sharded=True) == "float32"
+    assert resolve_precision("auto", "cuda", lora=True, sharded=False) == "float32"
+    assert resolve_precision("bfloat16", "cpu", lora=False, sharded=False) == "bfloat16"  # asked for: given
+    monkeypatch.setattr(linear_module, "native_bfloat16", lambda: False)  # emulated bfloat16 would be slower
+    assert resolve_precision("auto", "cpu", lora=True, sharded=False) == "float32"

@@ -302,51 +302,64 @@ def synthetic_episodes(config: TrainBenchConfig, vocab: int) -> list[Episode]:
 
 
 def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
-    """Time one optimisation step on the same samples packed and unpacked; compare with the limit."""
+    """Time one optimisation step on the same samples packed in float32, packed with the frozen base's products in
+    bfloat16 (``model.precision``, a CPU's), and unpacked; compare each with the matmul limit of its precision."""
+    result: dict[str, Any] = {
+        "model": loaded.name,
+        "params": loaded.n_params,
+        "lora": config.lora,
+        "threads": torch.get_num_threads(),
+    }
+    device = str(loaded.device)
+    for precision in ("float32", "bfloat16") if device == "cpu" else ("float32",):
+        flops = _matmul_limit(config.matmul_seconds, device, precision)
+        prefix = "" if precision == "float32" else "bfloat16_"
+        result[f"{prefix}limit_gflops"] = flops / 1e9
+        result[f"{prefix}limit_tok_s"] = flops / (6 * loaded.n_params)
+    episodes = synthetic_episodes(config, loaded.model.config.vocab_size)
+    variants = {"packed": (True, "float32"), "unpacked": (False, "float32")}
+    if device == "cpu":
+        variants["packed_bfloat16"] = (True, "bfloat16")
+    for key, (packing, precision) in variants.items():
+        seconds, tokens, trained = _train_step(loaded, episodes, config.lora, packing, precision)
+        result.update({f"{key}_seconds": seconds, f"{key}_tokens": tokens, f"{key}_tok_s": tokens / seconds})
+        result["trained_tokens"] = trained
+    if device == "cpu":
+        result["packed_bfloat16_limit_tok_s"] = result["bfloat16_limit_tok_s"]
+        result["bfloat16_speedup"] = result["packed_seconds"] / result["packed_bfloat16_seconds"]
+    result["train_tok_s"] = result["packed_tok_s"]
+    result["train_over_limit"] = result["train_tok_s"] / result["limit_tok_s"]
+    result["packed_speedup"] = result["unpacked_seconds"] / result["packed_seconds"]
+    result["samples_per_s_packed"] = config.episodes * 2 * config.turns / result["packed_seconds"]
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+def _train_step(
+    loaded: Any, episodes: list[Episode], lora: bool, packing: bool, precision: str
+) -> tuple[float, int, int]:
+    """Seconds, tokens computed and tokens trained of one optimisation step over ``episodes`` (its inputs as if
+    scored, so that only the step is timed), after an untimed step that takes the first-call costs."""
     # The learner stack (peft, the trainers) is loaded only by the benchmarks that time it, so the rollout
     # benchmark's process holds what a rollout needs and its numbers measure the engine alone.
     from repertory.train.batch import Experience, collect
     from repertory.train.learner import Learner
 
     algo = AlgoConfig(mini_batches=1, lr=1e-5)
-    limit_flops = _matmul_limit(config.matmul_seconds, str(loaded.device))
-    n_params = loaded.n_params
-    limit_tok_s = limit_flops / (6 * n_params)
-    episodes = synthetic_episodes(config, loaded.model.config.vocab_size)
-    result: dict[str, Any] = {
-        "model": loaded.name,
-        "params": n_params,
-        "lora": config.lora,
-        "threads": torch.get_num_threads(),
-        "limit_gflops": limit_flops / 1e9,
-        "limit_tok_s": limit_tok_s,
-    }
-    for packing in (True, False):
-        learner = Learner(
-            copy.deepcopy(loaded), algo, LoraConfig(enabled=config.lora), CriticConfig(), needs_critic=False
-        )
+    learner = Learner(
+        copy.deepcopy(loaded), algo, LoraConfig(enabled=lora), CriticConfig(), needs_critic=False, precision=precision
+    )
+    for iteration in range(2):
         batch = collect(episodes, packing=packing)
-        # the step's inputs, not its cost: log-probs as if recomputed, so only the optimisation step is timed
         for i, sample in enumerate(batch.samples):
             if sample.trained:
                 logp = torch.tensor(sample.logp_sample, device=learner.device)
                 advantages = torch.randn(sample.n_tokens)
                 batch.experience[i] = Experience(logp, logp, torch.ones_like(logp), advantages=advantages)
         start = time.perf_counter()
-        learner.update(batch, iteration=0)
+        learner.update(batch, iteration=iteration)
         seconds = time.perf_counter() - start
-        tokens = sum(len(seq.input_ids) for seq in batch.sequences)
-        key = "packed" if packing else "unpacked"
-        result[f"{key}_seconds"] = seconds
-        result[f"{key}_tokens"] = tokens
-        result[f"{key}_tok_s"] = tokens / seconds
-        result["trained_tokens"] = batch.n_tokens
-    result["train_tok_s"] = result["packed_tok_s"]
-    result["train_over_limit"] = result["train_tok_s"] / limit_tok_s
-    result["packed_speedup"] = result["unpacked_seconds"] / result["packed_seconds"]
-    result["samples_per_s_packed"] = config.episodes * 2 * config.turns / result["packed_seconds"]
-    result["peak_rss_mb"] = peak_rss_mb()
-    return result
+    return seconds, sum(len(seq.input_ids) for seq in batch.sequences), batch.n_tokens
 
 
 @dataclass

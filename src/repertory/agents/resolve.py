@@ -27,9 +27,9 @@ from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, RemoteAgent
 from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
 from repertory.envs.roles import RoleAdapters
-from repertory.generation import SamplingParams, make_backend
+from repertory.generation import SamplingParams, engine_options, make_backend
 from repertory.models import EMBEDDED, LoadedModel
-from repertory.models.checkpoints import load_policy
+from repertory.models.checkpoints import load_policy, run_precision
 from repertory.remote import ChatClient, Endpoint, openai_spec
 from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
 from repertory.types import RepertoryError
@@ -136,7 +136,9 @@ def trained_policy(path: str, options: LMOptions, name: str | None = None, polic
     trained = {field: getattr(config.rollout, field) for field in options.as_trained}
     options = replace(options, **trained)
     loaded = load_policy(checkpoint, config, options.device)
-    backend = make_backend(config.rollout.backend, loaded, **config.rollout.engine_args)
+    precision = run_precision(config, str(loaded.device))  # sampled as it was trained
+    engine = engine_options(config.rollout.backend, config.rollout.engine_args, precision)
+    backend = make_backend(config.rollout.backend, loaded, **engine)
     agent_id = policy_id or f"snapshot@{int(checkpoint.name)}"
     roles = RoleAdapters.of(config.rollout.env, config.model.adapters)  # each seat its role's adapter
     params = sampling(options)

@@ -105,20 +105,24 @@ def _rollout_table(result: dict, names: tuple[str, ...], naive: bool) -> Table:
     return table
 
 
-def _print_step_table(title: str, result: dict, variants: tuple[str, str]) -> None:
-    """A training-step benchmark's two variants and the limit: tokens computed, seconds, tok/s, share of it."""
+def _print_step_table(title: str, result: dict, variants: tuple[str, ...]) -> None:
+    """A training-step benchmark's variants and the limits: tokens computed, seconds, tok/s, and its share of the
+    limit of its own precision (``KEY_limit_tok_s``, else float32's)."""
     table = Table(title=title)
     for column in ("", "tokens computed", "seconds", "tok/s", "vs limit"):
         table.add_column(column, justify="right")
     for key in variants:
+        limit = result.get(f"{key}_limit_tok_s", result["limit_tok_s"])
         table.add_row(
             key,
             str(result[f"{key}_tokens"]),
             f"{result[f'{key}_seconds']:.2f}",
             f"{result[f'{key}_tok_s']:.0f}",
-            f"{result[f'{key}_tok_s'] / result['limit_tok_s']:.1%}",
+            f"{result[f'{key}_tok_s'] / limit:.1%}",
         )
     table.add_row("limit", "", "", f"{result['limit_tok_s']:.0f}", "100%")
+    if "bfloat16_limit_tok_s" in result:
+        table.add_row("limit (bfloat16)", "", "", f"{result['bfloat16_limit_tok_s']:.0f}", "100%")
     out.print(table)
 
 
@@ -130,7 +134,8 @@ def bench_train(
     lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (the default recipe) or full fine-tuning."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
 ) -> None:
-    """One optimisation step with packed and unpacked turns, against the float32 limit (6 x params x tokens)."""
+    """One optimisation step with packed turns (float32, and on a CPU with the frozen base's products in bfloat16)
+    and unpacked turns, each against the matmul limit of its precision (6 x params x tokens)."""
     from repertory.bench import TrainBenchConfig, train_benchmark
     from repertory.models import load_model
 
@@ -141,11 +146,18 @@ def bench_train(
         print(json.dumps(result))
         return
     title = f"train step: {episodes} episodes x 2 seats x {turns} turns ({result['model']}, "
-    _print_step_table(title + f"{'LoRA' if lora else 'full fine-tuning'})", result, ("packed", "unpacked"))
+    variants = tuple(k for k in ("packed", "packed_bfloat16", "unpacked") if f"{k}_seconds" in result)
+    _print_step_table(title + f"{'LoRA' if lora else 'full fine-tuning'})", result, variants)
+    reduced = (
+        f"the frozen base's products in bfloat16 make it {result['bfloat16_speedup']:.2f}x faster (matmul "
+        f"{result['bfloat16_limit_gflops']:.1f} GFLOP/s in bfloat16); "
+        if "bfloat16_speedup" in result
+        else ""
+    )
     out.print(
         f"packing makes the step {result['packed_speedup']:.2f}x faster on the same {result['trained_tokens']} "
-        f"trained tokens; matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
-        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+        f"trained tokens; {reduced}matmul {result['limit_gflops']:.1f} GFLOP/s in float32 on {result['threads']} "
+        f"threads; peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
 
 

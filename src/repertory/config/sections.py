@@ -55,6 +55,14 @@ class ModelConfig(_Section):
         "sampling; its checkpoints keep the optimizer as shards that resume on any process count. Needs an online "
         "method, shared adapters, no rollout.workers, max_staleness or pool opponent.",
     )
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="On a CPU, the precision of the frozen base's linear products, in the learner and in the hf "
+        "engine's sampling alike (rollout.engine_args.precision overrides the sampler's): bfloat16 through oneDNN "
+        "with float32 accumulation, while trained weights, the optimiser, norms, attention and the log-softmax stay "
+        "float32. auto: bfloat16 for a LoRA run on one unsharded learner where the CPU multiplies bfloat16 natively "
+        "(AVX512_BF16 or AMX), else float32. float32 is the exact path (sampler-learner gap 0). No effect on GPUs.",
+    )
 
 
 class RolloutConfig(_Section):

@@ -18,10 +18,16 @@ from repertory.types import RepertoryError
 HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision")
 
 
-def samples_exactly(kind: str, options: dict[str, Any]) -> bool:
-    """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own float32 module, so
-    that its log-probs need no correction (hf without reduced precision)."""
-    return kind == "hf" and options.get("precision", "float32") == "float32"
+def engine_options(kind: str, options: dict[str, Any], precision: str = "float32") -> dict[str, Any]:
+    """The ``kind`` engine's options: ``rollout.engine_args``, with the hf engine sampling at the run's
+    ``precision`` (``model.precision``, resolved) unless they name their own."""
+    return {"precision": precision, **options} if kind == "hf" else dict(options)
+
+
+def samples_exactly(kind: str, options: dict[str, Any], precision: str = "float32") -> bool:
+    """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own module at the
+    learner's ``precision``, so that its log-probs need no correction (hf at the run's precision)."""
+    return kind == "hf" and engine_options(kind, options, precision)["precision"] == precision
 
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:
@@ -64,5 +70,6 @@ __all__ = [
     "SamplingParams",
     "TokenTrie",
     "make_backend",
+    "engine_options",
     "samples_exactly",
 ]

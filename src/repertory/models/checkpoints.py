@@ -1,4 +1,5 @@
-"""A trained policy from its run: load a checkpoint as one plain model, or export it as a Hugging Face checkpoint."""
+"""A trained policy from its run: load a checkpoint as one plain model, or export it as a Hugging Face checkpoint;
+the precision a run's policy runs in."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from repertory.config import TrainConfig
 from repertory.envs.roles import RoleAdapters
 from repertory.models import LoadedModel, load_model, save_checkpoint
 from repertory.models.adapters import merged_weights
-from repertory.models.linear import use_fast_linears
+from repertory.models.linear import resolve_precision, use_fast_linears
 from repertory.runs import RunDir, resolve_checkpoint
 from repertory.types import RepertoryError
 
 ROLES_FILE = "roles.json"  # in an exported per-role policy: which role or team plays which directory
+
+
+def run_precision(config: TrainConfig, device: str) -> str:
+    """The precision of the frozen linear products of ``config``'s run on ``device`` (``model.precision``
+    resolved): what its learner trains in and its hf engine samples in."""
+    model = config.model
+    return resolve_precision(model.precision, torch.device(device).type, model.lora.enabled, model.sharding != "none")
 
 
 def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None) -> LoadedModel:

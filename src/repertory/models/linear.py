@@ -27,6 +27,7 @@ PRECISIONS = ("float32", "bfloat16")
 """The precisions sampling may run its linear layers in (``rollout.engine_args.precision``, hf)."""
 
 _SAMPLING_DTYPE: ContextVar[torch.dtype | None] = ContextVar("repertory_sampling_dtype", default=None)
+_LEARNER_DTYPE: ContextVar[torch.dtype | None] = ContextVar("repertory_learner_dtype", default=None)
 
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -64,6 +65,21 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+class _ReducedFrozenLinear(torch.autograd.Function):
+    """A linear product of a 2-D float32 input by a frozen weight's reduced-precision copy, float32 out; the
+    input's gradient goes through the same copy (a frozen weight takes none)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight)
+        return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "").float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        return _onednn(grad.to(weight.dtype), weight.t(), None).float(), None, None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear``, through oneDNN for float32 on a CPU (differentiable)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _ONEDNN:
@@ -78,12 +94,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class FastLinear(torch.nn.Linear):
-    """``nn.Linear`` through :func:`linear`, and through a bfloat16 weight copy under :func:`sampling_precision`."""
+    """``nn.Linear`` through :func:`linear`; through a bfloat16 weight copy under :func:`sampling_precision`, and
+    under :func:`learner_precision` when its weight is frozen."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return linear(x, self.weight, self.bias)
         dtype = _SAMPLING_DTYPE.get()
-        if dtype is not None and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu":
+        if dtype is not None and not torch.is_grad_enabled():
             weight, bias = self._reduced(dtype)
+            return _onednn(x.to(dtype), weight, bias).float()
+        dtype = _LEARNER_DTYPE.get()
+        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
+        if dtype is not None and frozen:
+            weight, bias = self._reduced(dtype)
+            if torch.is_grad_enabled() and x.requires_grad:
+                out = _ReducedFrozenLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+                return out.reshape(*x.shape[:-1], weight.shape[0])
             return _onednn(x.to(dtype), weight, bias).float()
         return linear(x, self.weight, self.bias)
 
@@ -97,6 +124,22 @@ class FastLinear(torch.nn.Linear):
             cached = (stamp, self.weight.detach().to(dtype), bias)
             self.__dict__["_reduced_copy"] = cached
         return cached[1], cached[2]
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512_BF16 or AMX), so oneDNN's bfloat16 products run
+    faster than float32 ones (about 1.85x on the Zen 4 of docs/results.md 13); elsewhere they are emulated."""
+    return _ONEDNN and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_precision(requested: str, device: str, lora: bool, sharded: bool) -> str:
+    """The precision of a run's frozen linear products (``model.precision``) on ``device``: ``auto`` is bfloat16
+    for a LoRA run on one unsharded CPU learner whose CPU multiplies bfloat16 natively, float32 elsewhere (GPUs
+    run their own dtype, sharded weights are gathered in float32); an explicit precision is taken as given."""
+    if requested != "auto":
+        return requested
+    native = device == "cpu" and native_bfloat16()
+    return "bfloat16" if native and lora and not sharded else "float32"
 
 
 def use_fast_linears(model: torch.nn.Module) -> int:
@@ -132,12 +175,23 @@ def free_reduced_copies(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def sampling_precision(precision: str) -> Iterator[None]:
-    """Run FastLinear layers in ``precision`` (one of :data:`PRECISIONS`) inside the block, without gradients."""
+def _precision(var: ContextVar[torch.dtype | None], precision: str) -> Iterator[None]:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    token = _SAMPLING_DTYPE.set(None if precision == "float32" else getattr(torch, precision))
+    token = var.set(None if precision == "float32" else getattr(torch, precision))
     try:
         yield
     finally:
-        _SAMPLING_DTYPE.reset(token)
+        var.reset(token)
+
+
+def sampling_precision(precision: str) -> contextlib.AbstractContextManager[None]:
+    """Run FastLinear layers in ``precision`` (one of :data:`PRECISIONS`) inside the block, without gradients."""
+    return _precision(_SAMPLING_DTYPE, precision)
+
+
+def learner_precision(precision: str) -> contextlib.AbstractContextManager[None]:
+    """Run the FastLinear layers whose weights are frozen (a LoRA run's base, a frozen reference) in ``precision``
+    inside the block, gradients to their inputs included; trained weights stay float32, and so do their
+    products, the optimiser state and everything outside linear layers."""
+    return _precision(_LEARNER_DTYPE, precision)

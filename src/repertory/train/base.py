@@ -29,9 +29,10 @@ from repertory.envs import env_class, load_kernels, make
 from repertory.envs.roles import RoleAdapters
 from repertory.eval import evaluate
 from repertory.eval.scores import judged_lines, team_lines
-from repertory.generation import SamplingParams, make_backend, samples_exactly
+from repertory.generation import SamplingParams, engine_options, make_backend, samples_exactly
 from repertory.judges import make_judge
 from repertory.models import LoadedModel, base_weights, load_model
+from repertory.models.checkpoints import run_precision
 from repertory.report import write_report
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, run_episodes
 from repertory.runs import RunDir
@@ -61,6 +62,7 @@ class Trainer:
         self.env = env_class(config.rollout.env)
         self.roles = RoleAdapters.of(config.rollout.env, config.model.adapters)  # None: one shared adapter
         loaded = loaded or load_model(config.model.name, config.model.device)
+        self.precision = run_precision(config, str(loaded.device))
         # The method's own modules (a critic on a copy of the initial model) are built before the learner wraps it.
         self.method = build_method(config.method, config.seed, loaded, config.model.device)
         self.learner = Learner(
@@ -72,13 +74,15 @@ class Trainer:
             temperature=config.rollout.temperature,
             seed=config.seed,
             # played ahead, samples come from an older policy: auto corrects them
-            exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args)
+            exact_sampler=samples_exactly(config.rollout.backend, config.rollout.engine_args, self.precision)
             and not config.rollout.max_staleness,
             roles=self.roles,
             sharding=config.model.sharding,
+            precision=self.precision,
         )
         self.loaded = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
-        self.backend = make_backend(config.rollout.backend, self.loaded, **config.rollout.engine_args)
+        self.engine_args = engine_options(config.rollout.backend, config.rollout.engine_args, self.precision)
+        self.backend = make_backend(config.rollout.backend, self.loaded, **self.engine_args)
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
         sampler_seed = derive(config.seed, "sampler")
         self.live = LMAgent(
@@ -215,7 +219,7 @@ class Trainer:
             constrained=self.live.constrained,
             seed=self.live.seed,
             engine=self.config.rollout.backend,
-            engine_args=self.config.rollout.engine_args,
+            engine_args=self.engine_args,
             pool_run=self.run_dir if self.pool is not None else None,
         )
 

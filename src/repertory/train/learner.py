@@ -31,6 +31,7 @@ from repertory.envs import env_class
 from repertory.envs.roles import RoleAdapters
 from repertory.models import LoadedModel
 from repertory.models.adapters import per_row_adapters
+from repertory.models.linear import learner_precision
 from repertory.models.packing import PackedSequence, model_inputs, token_batches
 from repertory.train import distributed
 from repertory.train.batch import Batch, Experience, Sample
@@ -74,13 +75,16 @@ class Learner:
         exact_sampler: bool = True,
         roles: RoleAdapters | None = None,
         sharding: str = "none",
+        precision: str = "float32",
     ):
-        """``exact_sampler``: the batches' log-probs come from this very float32 module (the hf backend without
-        reduced precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is tis. ``roles``:
+        """``exact_sampler``: the batches' log-probs come from this very module at this ``precision`` (the hf
+        backend at the learner's precision), so ``rollout_correction: auto`` corrects nothing; otherwise auto is
+        tis. ``precision``: of the frozen weights' linear products on a CPU (``model.precision``, resolved). ``roles``:
         one LoRA adapter per role or team (``model.adapters``), each trained on its own seats' turns only.
         ``sharding`` fsdp: weights, gradients and optimiser state sharded over the data-parallel processes
         (:mod:`repertory.train.sharding`); its checkpoints keep the optimiser as shards, in one process too."""
         self.algo, self.critic_config, self.seed = algo, critic, seed
+        self.precision = precision
         auto = "none" if exact_sampler else "tis"
         self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
         self.policy_loss = losses.get_policy_loss(algo.policy_loss)
@@ -323,7 +327,7 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         logp_ref: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
-        with self._sharded_state():
+        with self._sharded_state(), learner_precision(self.precision):
             for micro in self._micro_batches(batch.sequences):
                 scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
                 logp.update({i: t.detach() for i, t in scored.logp.items()})
@@ -361,7 +365,7 @@ class Learner:
         unready = [i for i, x in batch.experience.items() if x.advantages is None]
         if unready:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
-        with self._sharded_state():
+        with self._sharded_state(), learner_precision(self.precision):
             return self._epochs(batch, iteration, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
 
     def _epochs(self, batch: Batch, iteration: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
