@@ -154,9 +154,10 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     assert len(final) == 2 and {(ep.iteration, ep.kernel.split) for ep in final} == {(3, "heldout")}
     outcomes = [ep.result.roles[seat.name].outcome for ep in final for seat in ep.seats]
     assert lines[2]["final/outcome"] == pytest.approx(sum(outcomes) / len(outcomes))
-    # the hf backend samples the learner's own module at its precision: the gap is rounding (float32's, or the
-    # bfloat16 products' at different batch shapes), reported, and no correction applies
-    assert 0 < lines[1]["offpolicy/max_gap"] <= gap and lines[1]["offpolicy/weight_mean"] == 1.0
+    # the hf backend samples the learner's own module at its precision: the gap is rounding, reported; float32's
+    # is float noise and takes no correction, bfloat16's takes the truncated importance weights (tis)
+    assert 0 < lines[1]["offpolicy/max_gap"] <= gap
+    assert (lines[1]["offpolicy/weight_mean"] == 1.0) == (precision == "float32")
     assert [c.name for c in RunDir(run_dir).complete_checkpoints()] == ["000002", "000003"]  # keep_checkpoints = 2
     assert {p.name for p in (run_dir / "report").iterdir()} >= {"outcome.png", "losses.png", "kl_entropy.png"}
     assert (run_dir / "report" / "index.html").is_file()

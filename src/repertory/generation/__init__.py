@@ -25,9 +25,12 @@ def engine_options(kind: str, options: dict[str, Any], precision: str = "float32
 
 
 def samples_exactly(kind: str, options: dict[str, Any], precision: str = "float32") -> bool:
-    """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own module at the
-    learner's ``precision``, so that its log-probs need no correction (hf at the run's precision)."""
-    return kind == "hf" and engine_options(kind, options, precision)["precision"] == precision
+    """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own float32 module, so
+    that its log-probs need no correction (hf, both at float32). At bfloat16 the two round activations that
+    differ in float32's last bits (decode rows against packed rows) to different bfloat16 values: a mean gap of
+    about 0.013 nats a token on the default recipe (docs/results.md 30), which the correction takes."""
+    sampler = engine_options(kind, options, precision).get("precision")
+    return kind == "hf" and precision == "float32" and sampler == "float32"
 
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:

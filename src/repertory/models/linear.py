@@ -1,18 +1,21 @@
 """Linear layers through oneDNN on the CPU, for sampling and for the learner, and reduced-precision sampling.
 
-PyTorch runs float32 ``nn.Linear`` on the CPU through MKL's sgemm. MKL picks its kernels by CPU vendor and
-takes its AVX2 path on AMD processors: on this project's 2-core AMD EPYC (Zen 5, AVX-512) it sustains about
-150 GFLOP/s where oneDNN's kernel, which ships inside PyTorch too, sustains 330-370 — forward, input-gradient
-and weight-gradient products alike. At decode sizes the gap is the same (SmolLM2-135M's linear layers at 10
-rows: 50 ms a step against 27 ms). :class:`FastLinear` is an ``nn.Linear`` (same parameters, state dict and
-PEFT wrapping) whose float32 CPU products, and their gradients, go through oneDNN; on other devices and dtypes
-it is ``nn.Linear``. Every model repertory loads or builds on a CPU uses it (:func:`use_fast_linears`). The
-two kernels agree to float32 rounding (about 1e-6 relative), not bit for bit.
+PyTorch runs float32 ``nn.Linear`` on the CPU through MKL's sgemm. MKL picks its kernels by CPU vendor and takes its
+AVX2 path on AMD processors: on this project's 2-core AMD EPYC (Zen 4, Genoa: AVX-512 with AVX512_BF16, no AMX) it
+sustains about 150 GFLOP/s where oneDNN's kernel, which ships inside PyTorch too, sustains 330-370 — forward, input-
+gradient and weight-gradient products alike. At decode sizes the gap is the same (SmolLM2-135M's linear layers at 10
+rows: 50 ms a step against 27 ms). :class:`FastLinear` is an ``nn.Linear`` (same parameters, state dict and PEFT
+wrapping) whose float32 CPU products, and their gradients, go through oneDNN; on other devices and dtypes it is
+``nn.Linear``. Every model repertory loads or builds on a CPU uses it (:func:`use_fast_linears`). The two kernels
+agree to float32 rounding (about 1e-6 relative), not bit for bit.
 
-:func:`sampling_precision` is the opt-in reduced-precision path for sampling (docs/design.md, Rollouts): under
+:func:`sampling_precision` is the reduced-precision path for sampling (docs/design.md, Rollouts): under
 it, without gradients, each FastLinear multiplies by a bfloat16 copy of its weight (made once per weight
 version) and returns float32, so norms, attention, the key/value cache and the softmax stay in float32. It
 halves the bytes every decode step reads; SmolLM2-135M's linear layers at 10 rows take 19 ms against 27 ms.
+:func:`learner_precision` does the same in the learner for the layers whose weights are frozen (a LoRA run's
+base), gradients to their inputs included, so that sampler and learner run one precision
+(``model.precision``, :func:`resolve_precision`); trained weights stay float32.
 """
 
 from __future__ import annotations
