@@ -1,7 +1,8 @@
 """Training-step benchmark without the CLI: ``python benchmarks/train.py [--episodes N] [--turns K] [--full]``.
 
-Prints one JSON object: one optimisation step with packed and unpacked turns against the float32
-matmul limit at 6 x parameters FLOPs per token (see ``repertory.bench``).
+Prints one JSON object: one optimisation step with packed turns (float32, and on a CPU with the frozen base's
+products in bfloat16) and unpacked turns, each against the matmul limit of its precision at 6 x parameters FLOPs
+per token (see ``repertory.bench``).
 """
 
 import argparse

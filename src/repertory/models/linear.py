@@ -103,19 +103,21 @@ class FastLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return linear(x, self.weight, self.bias)
-        dtype = _SAMPLING_DTYPE.get()
-        if dtype is not None and not torch.is_grad_enabled():
-            weight, bias = self._reduced(dtype)
-            return _onednn(x.to(dtype), weight, bias).float()
-        dtype = _LEARNER_DTYPE.get()
-        frozen = not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)
-        if dtype is not None and frozen:
-            weight, bias = self._reduced(dtype)
-            if torch.is_grad_enabled() and x.requires_grad:
-                out = _ReducedFrozenLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
-                return out.reshape(*x.shape[:-1], weight.shape[0])
-            return _onednn(x.to(dtype), weight, bias).float()
+        sampling, learning = _SAMPLING_DTYPE.get(), _LEARNER_DTYPE.get()
+        if sampling is not None and not torch.is_grad_enabled():
+            return self._reduced_product(x, sampling)
+        if learning is not None and not any(p.requires_grad for p in (self.weight, self.bias) if p is not None):
+            return self._reduced_product(x, learning)
         return linear(x, self.weight, self.bias)
+
+    def _reduced_product(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` times the ``dtype`` copy of the weight, float32 out; differentiable in ``x`` only (the weight is
+        frozen wherever a gradient is taken)."""
+        weight, bias = self._reduced(dtype)
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = _ReducedFrozenLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _onednn(x.to(dtype), weight, bias).float()
 
     def _reduced(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias in ``dtype``, cast again only when the parameters changed (their version counter
