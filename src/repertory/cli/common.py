@@ -54,12 +54,18 @@ def check_run_options(split: str, seed: int, episodes: int) -> None:
 def agents_for(env: str, specs: list[str], lm: LMOptions | None = None) -> dict[str, Agent]:
     """One agent object per distinct spec, so a spec in several seats is served in one batch; every spec is
     checked before the first model loads."""
-    from repertory.agents.resolve import make_agent, spec_kind  # model agents import torch; bot line-ups need none
+    from repertory.agents.resolve import make_agent  # model agents import torch; bot line-ups need none
 
-    cls = env_class(env)
+    check_agents(env, specs, lm)
+    return {spec: make_agent(spec, env_class(env), lm) for spec in dict.fromkeys(specs)}
+
+
+def check_agents(env: str, specs: list[str], lm: LMOptions | None = None) -> None:
+    """Every spec of a line-up names an agent of ``env`` (one line saying why not), decided without loading."""
+    from repertory.agents.resolve import spec_kind
+
     for spec in specs:
-        spec_kind(spec, cls, lm)
-    return {spec: make_agent(spec, cls, lm) for spec in dict.fromkeys(specs)}
+        spec_kind(spec, env_class(env), lm)
 
 
 def lm_options(

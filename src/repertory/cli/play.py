@@ -20,6 +20,7 @@ from repertory.cli.common import (
     MODEL_HELP,
     SEAT_STYLES,
     agents_for,
+    check_agents,
     check_run_options,
     count,
     games_progress,
@@ -327,7 +328,6 @@ def tournament(
 ) -> None:
     """Cross-play tournament: every ordered pair of agents, on the same kernels and seeds (by default in every
     environment with two sides: two seats or two teams)."""
-    from repertory.agents.resolve import spec_kind
     from repertory.eval.crossplay import check_sides, crossplay, sides
 
     names = env or [n for n in env_names() if len(sides(env_class(n))) == 2]
@@ -337,8 +337,7 @@ def tournament(
         cls = env_class(name)
         check_sides(cls)
         lineups[name] = [s.strip() for s in agents.split(",")] if agents else list(cls.bots)
-        for spec in lineups[name]:
-            spec_kind(spec, cls)
+        check_agents(name, lineups[name])
     store = EpisodeStore(out_dir).prepare() if out_dir else None
     for name, specs in lineups.items():
         with games_progress(f"tournament {name}") as on_progress:

@@ -151,15 +151,25 @@ class HeldOutChange:
 def held_out_change(lines: list[dict[str, Any]]) -> HeldOutChange | None:
     """The first and the last held-out evaluation of the metrics lines (the last is normally ``final/*``), or
     None when the run has fewer than two. A missing standard error counts as 0."""
-    points = [
-        (line["iteration"], line["eval/outcome"], line.get("eval/outcome_se"))
-        for line in with_final(lines)
-        if finite_number(line.get("eval/outcome"))
-    ]
-    if len(points) < 2:
+    ends = _first_and_last(lines, "eval/outcome")
+    if ends is None:
         return None
-    (first, before, before_se), (last, after, after_se) = points[0], points[-1]
-    return HeldOutChange(first, last, before, _or_zero(before_se), after, _or_zero(after_se))
+    first, last = ends
+    return HeldOutChange(
+        first["iteration"],
+        last["iteration"],
+        first["eval/outcome"],
+        _or_zero(first.get("eval/outcome_se")),
+        last["eval/outcome"],
+        _or_zero(last.get("eval/outcome_se")),
+    )
+
+
+def _first_and_last(lines: list[dict[str, Any]], key: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The first and the last metrics line (``final/*`` read as one iteration later) with a finite ``key``, or
+    None when fewer than two have it."""
+    points = [line for line in with_final(lines) if finite_number(line.get(key))]
+    return (points[0], points[-1]) if len(points) >= 2 else None
 
 
 def _or_zero(value: Any) -> float:
@@ -197,8 +207,8 @@ def behaviour_change(lines: list[dict[str, Any]], metric: KeyMetric) -> Behaviou
     """The held-out mean of ``metric`` (``eval/env/NAME``) at the first and the last evaluation that report it,
     or None when fewer than two do."""
     key = f"eval/env/{metric.name}"
-    points = [(line["iteration"], line[key]) for line in with_final(lines) if finite_number(line.get(key))]
-    if len(points) < 2:
+    ends = _first_and_last(lines, key)
+    if ends is None:
         return None
-    (first, before), (last, after) = points[0], points[-1]
-    return BehaviourChange(metric, first, last, before, after)
+    first, last = ends
+    return BehaviourChange(metric, first["iteration"], last["iteration"], first[key], last[key])

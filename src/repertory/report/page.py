@@ -183,12 +183,9 @@ def _behaviour(lines: list[dict[str, Any]], facts: _RunFacts) -> dict[str, Any] 
     if change is None:
         return None
     return {
+        **dataclasses.asdict(change),
         "metric": change.metric.name,
         "label": change.metric.label,
-        "first_iteration": change.first_iteration,
-        "last_iteration": change.last_iteration,
-        "before": change.before,
-        "after": change.after,
         "change": change.change,
         "verdict": change.verdict,
     }
