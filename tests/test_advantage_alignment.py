@@ -271,7 +271,14 @@ class _Stop(Exception):
 
 
 def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, tokenizer):
-    extra = ("rollout.opponent=pool", "method.pool.snapshot_every=1", "method.pool.p_snapshot=0.5", "iterations=3")
+    # micro-batches of about a sequence: the sampler's log-probs stand for the old policy's beyond the first
+    extra = (
+        "rollout.opponent=pool",
+        "method.pool.snapshot_every=1",
+        "method.pool.p_snapshot=0.5",
+        "iterations=3",
+        "algo.micro_batch_tokens=128",
+    )
     straight = start_run(_aa_config(tmp_path, "straight", *extra), tiny_model(tokenizer, seed=2))
     straight.fit()
     interrupted = start_run(_aa_config(tmp_path, "interrupted", *extra), tiny_model(tokenizer, seed=2))
@@ -294,6 +301,7 @@ def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, 
 
     assert lines(interrupted.run_dir) == lines(straight.run_dir)
     assert lines(straight.run_dir)[2]["pool/snapshots"] == 3
+    assert all(0 < line["offpolicy/rescored_frac"] < 1 for line in lines(straight.run_dir))
     a = load_file(str(RunDir(straight.run_dir).complete_checkpoints()[-1] / "policy" / "adapter_model.safetensors"))
     b = load_file(str(RunDir(interrupted.run_dir).complete_checkpoints()[-1] / "policy" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)

@@ -16,6 +16,7 @@ from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
 from repertory.train.batch import Batch, Sample, collect
 from repertory.train.learner import Learner
+from repertory.train.learner_state import load_learner, save_learner
 from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn
 
 
@@ -122,6 +123,60 @@ def test_a_wrong_temperature_breaks_log_prob_agreement(tokenizer, episodes):
     learner.score(batch)
     worst = _worst_logp_gap(batch)
     assert worst > 1e-2
+
+
+def _reusing_learner(tokenizer, critic=False):
+    # micro-batches of a few sequences, so that the first is a spot check and the rest can reuse
+    return _learner(tokenizer, critic=critic, micro_batch_tokens=64, mini_batches=1, lr=1e-2)
+
+
+def test_an_exact_sampler_s_log_probs_are_the_old_policy_s_beyond_a_spot_check(tokenizer, episodes):
+    batch = collect(episodes)
+    learner = _reusing_learner(tokenizer)
+    metrics = learner.score(batch, version=0)
+    first = {i for seq in learner._micro_batches(batch.sequences)[0] for i, _ in seq.spans}
+    rest = [i for i, s in enumerate(batch.samples) if s.trained and i not in first]
+    assert first and rest
+    for i in rest:  # taken as recorded, not scored
+        assert torch.equal(batch.experience[i].logp_old, torch.tensor(batch.samples[i].logp_sample))
+    scored = sum(batch.samples[i].n_tokens for i in first)
+    assert metrics["offpolicy/rescored_frac"] == pytest.approx(scored / batch.n_tokens)
+    assert 0 < metrics["offpolicy/max_gap"] <= 1e-4 and batch.old_gap == 1e-4
+    assert all(float(batch.experience[i].correction.min()) == 1.0 for i in rest)
+
+    rescored = collect(episodes)
+    full = _reusing_learner(tokenizer).score(rescored)  # no version: every sample scored
+    assert full["offpolicy/rescored_frac"] == 1.0 and rescored.old_gap == 0.0
+    for i in first:
+        assert torch.equal(batch.experience[i].logp_old, rescored.experience[i].logp_old)
+    for i in rest:
+        assert torch.allclose(batch.experience[i].logp_old, rescored.experience[i].logp_old, rtol=0, atol=1e-4)
+
+
+def test_an_update_from_reused_log_probs_equals_one_from_rescored(tokenizer, episodes):
+    weights = []
+    for version in (0, None):
+        learner = _reusing_learner(tokenizer)
+        batch = collect(episodes)
+        learner.score(batch, version=version)
+        batch.assign({i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)})
+        learner.update(batch, iteration=0)
+        weights.append(torch.cat([p.detach().flatten() for p in learner.trainable_parameters()]))
+    assert torch.allclose(weights[0], weights[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["stale", "critic", "gap"])
+def test_the_policy_scores_every_sample_when_the_sampler_may_differ(tokenizer, episodes, case):
+    batch = collect(episodes)
+    learner = _reusing_learner(tokenizer, critic=case == "critic")
+    if case == "gap":  # a sampler off by more than float noise in the spot check: the rest is not trusted
+        first = learner._micro_batches(batch.sequences)[0][0].spans[0][0]
+        batch.samples[first].logp_sample = [x + 0.01 for x in batch.samples[first].logp_sample]
+    metrics = learner.score(batch, version=1 if case == "stale" else 0)
+    assert metrics["offpolicy/rescored_frac"] == 1.0 and batch.old_gap == 0.0
+    assert metrics["offpolicy/max_gap"] == (
+        pytest.approx(0.01, abs=1e-4) if case == "gap" else pytest.approx(0, abs=1e-4)
+    )
 
 
 def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes):
@@ -310,9 +365,9 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tokenizer, episode
     adv = {i: torch.ones(s.n_tokens) for i, s in enumerate(batch.samples)}
     batch.assign(adv, {i: torch.ones(len(v)) for i, v in adv.items()})
     learner.update(batch, 0)
-    learner.save(tmp_path / "ckpt")
+    save_learner(learner, tmp_path / "ckpt")
     restored = make()
-    restored.load(tmp_path / "ckpt")
+    load_learner(restored, tmp_path / "ckpt")
     for a, b in zip(learner.trainable_parameters(), restored.trainable_parameters()):
         assert torch.equal(a, b)
     # one more identical step from both keeps them identical (optimizer moments were restored)

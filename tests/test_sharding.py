@@ -12,6 +12,7 @@ from repertory.runs import RunDir
 from repertory.train import resume_run, start_run
 from repertory.train.heads import with_lora
 from repertory.train.learner import Learner
+from repertory.train.learner_state import load_learner, save_learner
 from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
 from repertory.types import RepertoryError
 
@@ -101,10 +102,10 @@ def test_a_checkpoint_before_the_first_step_resumes_a_fresh_optimizer(tmp_path):
         )
 
     saving, loading = learner(), learner()
-    saving.save(tmp_path / "checkpoint")
+    save_learner(saving, tmp_path / "checkpoint")
     assert not saving.optimizer.state and not (tmp_path / "checkpoint" / OPTIMIZER_SHARDS).exists()
     assert torch.load(tmp_path / "checkpoint" / "optimizer.pt", weights_only=True)["optimizer_stepped"] is False
-    loading.load(tmp_path / "checkpoint")
+    load_learner(loading, tmp_path / "checkpoint")
     assert not loading.optimizer.state
 
 

@@ -41,6 +41,7 @@ from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
+from repertory.train.learner_state import load_learner, save_learner
 from repertory.train.methods import build_method
 from repertory.train.methods.adalign import AdvantageAlignment
 from repertory.train.pipeline import AsyncRollouts, Played, Sampler
@@ -346,7 +347,7 @@ class Trainer:
                 else None
             )
         tmp = distributed.broadcast(self.run_dir.begin_checkpoint(done) if main else None)
-        self.learner.save(tmp)
+        save_learner(self.learner, tmp)
         distributed.barrier()
         final = None
         if main:
@@ -369,12 +370,12 @@ class Trainer:
     def save_state(self, directory: Path) -> None:
         """Write the trainable state (what a checkpoint holds besides RNG and counters) into ``directory``: the
         learner's and the method's."""
-        self.learner.save(directory)
+        save_learner(self.learner, directory)
         self.method.save(directory)
 
     def load_state(self, directory: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
-        self.learner.load(directory)
+        load_learner(self.learner, directory)
         self.method.load(directory)
 
     def load_checkpoint(self, path: Path) -> None:

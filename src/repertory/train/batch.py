@@ -23,6 +23,7 @@ class Sample:
     response_ids: list[int]
     logp_sample: list[float]
     trained: bool
+    policy_version: int = 0  # the version of the policy that sampled it
 
     @property
     def n_tokens(self) -> int:
@@ -65,6 +66,7 @@ class Batch:
     samples: list[Sample]
     sequences: list[PackedSequence]
     experience: dict[int, Experience] = field(default_factory=dict)
+    old_gap: float = 0.0  # how far the old log-probs may be from the learner's own: the sampler's float noise
 
     @property
     def n_tokens(self) -> int:
@@ -168,7 +170,15 @@ def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool 
                 trained = bool(turn.response_ids) and not (mask_truncated and turn.finish == "length")
                 ref.samples.append(len(samples))
                 samples.append(
-                    Sample(t, turn.turn_index, turn.prompt_ids, turn.response_ids, turn.logp_sample, trained)
+                    Sample(
+                        t,
+                        turn.turn_index,
+                        turn.prompt_ids,
+                        turn.response_ids,
+                        turn.logp_sample,
+                        trained,
+                        turn.policy_version,
+                    )
                 )
             trajectories.append(ref)
             sequences.extend(_pack([(i, samples[i]) for i in ref.samples if samples[i].trained], packing))

@@ -16,11 +16,9 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -37,17 +35,13 @@ from repertory.train import distributed
 from repertory.train.batch import Batch, Experience, Sample
 from repertory.train.heads import ValueModel, with_lora
 from repertory.train.sharding import (
-    OPTIMIZER_SHARDS,
     Scorer,
     Sharded,
-    full_state,
-    load_full,
-    load_optimizer,
-    save_optimizer,
 )
 from repertory.types import RepertoryError, derive
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
+REUSED_GAP_TOL = 1e-4  # the exact sampler's float noise against the learner's packed rows (2-3e-5 measured)
 REFERENCE_ADAPTER = "reference"
 
 
@@ -142,7 +136,7 @@ class Learner:
         if self.value is not None and not self.critic_config.share_backbone:
             raise RepertoryError("model.sharding fsdp shards the policy; a critic needs critic.share_backbone true")
 
-    def _stateful(self) -> nn.Module:
+    def stateful(self) -> nn.Module:
         """A module holding every parameter the optimiser steps, by which its sharded state is named."""
         modules = {"policy": self.scorer}
         if self.value is not None:
@@ -311,7 +305,7 @@ class Learner:
         return float(norms[0].full_tensor() if isinstance(norms[0], DTensor) else norms[0])
 
     @contextmanager
-    def _sharded_state(self) -> Iterator[None]:
+    def sharded_state(self) -> Iterator[None]:
         """Under model.sharding fsdp, the sharded weights for the block (gathered again after); else nothing."""
         if self.sharded is None:
             yield
@@ -320,34 +314,74 @@ class Learner:
             yield
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> dict[str, float]:
+    def score(self, batch: Batch, version: int | None = None) -> dict[str, float]:
         """Give every trained sample its :class:`Experience`: the learner's and the reference's log-probs, the
         rollout correction and (with a critic) values; returns the sampler-learner mismatch over the tokens the
-        sampler recorded."""
-        logp: dict[int, torch.Tensor] = {}
-        logp_ref: dict[int, torch.Tensor] = {}
-        values: dict[int, torch.Tensor] = {}
-        with self._sharded_state(), learner_precision(self.precision):
-            for micro in self._micro_batches(batch.sequences):
-                scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
-                logp.update({i: t.detach() for i, t in scored.logp.items()})
-                values.update({i: t.detach() for i, t in scored.values.items()})
-                ref = self._forward(micro, batch.samples, reference=True)
-                logp_ref.update({i: t.detach() for i, t in ref.logp.items()})
-        recorded = [i for i in logp if len(batch.samples[i].logp_sample) == len(logp[i])]
-        sampled = {i: torch.tensor(batch.samples[i].logp_sample, device=self.device) for i in recorded}
+        sampler recorded. ``version``: the policy version this learner holds (the trainer's updates so far).
+        Where the sampler is exact and every sample was drawn from that version (:meth:`_reuses_sampler`), the
+        sampler's log-probs are the old policy's: the policy scores the first micro-batch only, to measure the
+        gap, and the rest when that gap is above the exact path's float noise (``REUSED_GAP_TOL``)."""
+        micros = self._micro_batches(batch.sequences)
+        reuse = self._reuses_sampler(batch, version)
+        recorded = {
+            i: torch.tensor(s.logp_sample, device=self.device)
+            for i, s in enumerate(batch.samples)
+            if s.trained and s.logp_sample and len(s.logp_sample) == len(s.response_ids)
+        }
+        with self.sharded_state(), learner_precision(self.precision):
+            logp, values = self._score_policy(batch, micros[:1] if reuse else micros)
+            if reuse and _max_gap(logp, recorded) > REUSED_GAP_TOL:
+                reuse = False
+                more, _ = self._score_policy(batch, micros[1:])
+                logp.update(more)
+            logp_ref = self._score_reference(batch, micros)
+        scored = sum(len(t) for t in logp.values())
+        batch.old_gap = REUSED_GAP_TOL if reuse else 0.0
+        old_of = {i: logp.get(i, recorded.get(i)) for i in logp_ref} if reuse else logp
         cap = self.algo.rollout_correction_cap
-        for i, old in logp.items():
-            mode = self.correction if i in sampled else "none"  # logged turns may carry no log-probs
-            correction = losses.rollout_correction(old, sampled.get(i, old), mode, cap)
+        for i, old in old_of.items():
+            mode = self.correction if i in recorded else "none"  # logged turns may carry no log-probs
+            correction = losses.rollout_correction(old, recorded.get(i, old), mode, cap)
             batch.experience[i] = Experience(old, logp_ref[i], correction, values.get(i))
-        if not sampled:
+        checked = [i for i in logp if i in recorded and len(recorded[i]) == len(logp[i])]
+        if not checked:
             return {}
-        learner = torch.cat([logp[i] for i in recorded])
-        metrics = losses.sampler_mismatch(learner, torch.cat([sampled[i] for i in recorded]))
-        weights = torch.cat([batch.experience[i].correction for i in recorded])
+        metrics = losses.sampler_mismatch(
+            torch.cat([logp[i] for i in checked]), torch.cat([recorded[i] for i in checked])
+        )
+        weights = torch.cat([batch.experience[i].correction for i in recorded if i in batch.experience])
         metrics["offpolicy/weight_mean"] = float(weights.mean())
+        metrics["offpolicy/rescored_frac"] = scored / max(1, sum(len(t) for t in logp_ref.values()))
         return metrics
+
+    def _reuses_sampler(self, batch: Batch, version: int | None) -> bool:
+        """Whether the sampler's log-probs can stand for the old policy's: an exact sampler (no correction), no
+        critic (its values come from the same pass), one process, and every trained sample recorded in full by
+        policy ``version``."""
+        if version is None or self.correction != "none" or self.value is not None or distributed.world_size() > 1:
+            return False
+        trained = [s for s in batch.samples if s.trained]
+        return bool(trained) and all(
+            s.policy_version == version and len(s.logp_sample) == len(s.response_ids) for s in trained
+        )
+
+    def _score_policy(
+        self, batch: Batch, micros: list[list[PackedSequence]]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The policy's log-probs and (with a critic) values of the micro-batches' samples."""
+        logp: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
+        for micro in micros:
+            scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
+            logp.update({i: t.detach() for i, t in scored.logp.items()})
+            values.update({i: t.detach() for i, t in scored.values.items()})
+        return logp, values
+
+    def _score_reference(self, batch: Batch, micros: list[list[PackedSequence]]) -> dict[int, torch.Tensor]:
+        logp: dict[int, torch.Tensor] = {}
+        for micro in micros:
+            logp.update({i: t.detach() for i, t in self._forward(micro, batch.samples, reference=True).logp.items()})
+        return logp
 
     # the optimisation step
 
@@ -365,7 +399,7 @@ class Learner:
         unready = [i for i, x in batch.experience.items() if x.advantages is None]
         if unready:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
-        with self._sharded_state(), learner_precision(self.precision):
+        with self.sharded_state(), learner_precision(self.precision):
             return self._epochs(batch, iteration, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
 
     def _epochs(self, batch: Batch, iteration: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
@@ -415,7 +449,8 @@ class Learner:
             return False
         if algo.kl_mode != "loss" or algo.beta_kl == 0:
             return True
-        return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=FLAT_LOGP_TOL) for x in mine)
+        tolerance = FLAT_LOGP_TOL + batch.old_gap
+        return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=tolerance) for x in mine)
 
     def _idle_roles(self, mini: list[PackedSequence], batch: Batch, moved: set[str]) -> set[str]:
         """The role adapters that :meth:`_flat` would skip on their own: not stepped yet, and flat on all their
@@ -493,86 +528,6 @@ class Learner:
         micro-batches than the others (FSDP gathers and reduces each layer with every process)."""
         (0.0 * sum(t.sum() for t in self._forward(micro, batch.samples).logp.values())).backward()
 
-    # checkpoints
-
-    def save(self, directory: Path) -> None:
-        """Weights (adapter or full model), value head, optimizer and scheduler into ``directory``. Sharded
-        (:attr:`sharded`), every process calls it and writes its optimiser shard; otherwise process 0 alone."""
-        directory.mkdir(parents=True, exist_ok=True)
-        gathered = None
-        # before any step AdamW has no state, and the checkpoint writer would initialise it (a zero-lr step that
-        # counts): such a checkpoint records no shards, and its resume starts from a fresh optimiser
-        stepped = bool(self.optimizer.state)
-        with self._sharded_state():
-            if self.sharded is not None:  # the weights, into process 0; a tied weight once, as unsharded
-                named = {*dict(self.scorer.named_parameters()), *dict(self.scorer.named_buffers())}
-                full = full_state(self.scorer, trained_only=self.peft is not None)
-                gathered = {k.removeprefix("model."): v for k, v in full.items() if k in named}
-            if self.optimizer_shards and stepped:
-                save_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
-        if not distributed.is_main():
-            return
-        if self.peft is not None:  # the live adapter in policy/, any other (per role) in policy/<name>/
-            peft_state = None if gathered is None else {f"base_model.model.{k}": v for k, v in gathered.items()}
-            self.peft.save_pretrained(str(directory / "policy"), selected_adapters=self.adapters, state_dict=peft_state)
-        else:
-            self.model.save_pretrained(str(directory / "policy"), safe_serialization=True, state_dict=gathered)
-            self.tokenizer.save_pretrained(str(directory / "policy"))
-        if self.value is not None:
-            save_file(_contiguous(self.value.head.state_dict()), str(directory / "value_head.safetensors"))
-            if not self.shared_critic:
-                critic = self.critic_peft if self.critic_peft is not None else self.value.backbone
-                tensors = get_peft_model_state_dict(critic) if self.critic_peft is not None else critic.state_dict()
-                save_file(_contiguous(tensors), str(directory / "critic.safetensors"))
-        state = {"scheduler": self.scheduler.state_dict()}
-        if self.optimizer_shards:
-            state["optimizer_stepped"] = stepped
-        else:
-            state["optimizer"] = self.optimizer.state_dict()
-        torch.save(state, directory / "optimizer.pt")
-
-    def load(self, directory: Path) -> None:
-        """Restore everything :meth:`save` wrote."""
-        state = torch.load(directory / "optimizer.pt", weights_only=True)
-        if self.optimizer_shards == ("optimizer" in state):
-            kept = "without model.sharding fsdp" if self.optimizer_shards else "with model.sharding fsdp"
-            raise RepertoryError(f"{directory} was written {kept}: resume it with the sharding it was trained with")
-        with self._sharded_state():
-            self._load_policy(directory / "policy")
-            if self.optimizer_shards and state["optimizer_stepped"]:
-                load_optimizer(self._stateful(), self.optimizer, directory / OPTIMIZER_SHARDS)
-        if self.value is not None:
-            self.value.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
-            if not self.shared_critic:
-                tensors = load_file(str(directory / "critic.safetensors"))
-                if self.critic_peft is not None:
-                    set_peft_model_state_dict(self.critic_peft, tensors)
-                else:
-                    self.value.backbone.load_state_dict(tensors)
-        if not self.optimizer_shards:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def _load_policy(self, policy: Path) -> None:
-        if self.sharded is None and self.peft is not None:
-            for name in self.adapters:
-                folder = policy if name == LIVE_ADAPTER else policy / name
-                tensors = load_file(str(folder / "adapter_model.safetensors"))
-                set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
-        elif self.sharded is None:
-            self.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
-        elif self.peft is not None:
-            # PEFT saves an adapter's weight model.X.<adapter>.weight as base_model.model.X.weight
-            names = {
-                "base_model.model." + name.removeprefix("model.").replace(f".{LIVE_ADAPTER}", ""): name
-                for name, _ in self.scorer.named_parameters()
-                if f".{LIVE_ADAPTER}." in name
-            }
-            saved = load_file(str(policy / "adapter_model.safetensors"))
-            load_full(self.scorer, {names.get(key, key): tensor for key, tensor in saved.items()})
-        else:
-            load_full(self.scorer, {f"model.{k}": v for k, v in load_file(str(policy / "model.safetensors")).items()})
-
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
     out, start = {}, 0
@@ -582,5 +537,7 @@ def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch
     return out
 
 
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+def _max_gap(logp: dict[int, torch.Tensor], recorded: dict[int, torch.Tensor]) -> float:
+    """The largest absolute gap between the learner's and the sampler's log-probs over the samples both have."""
+    gaps = [float((logp[i] - recorded[i]).abs().max()) for i in logp if i in recorded and len(logp[i])]
+    return max(gaps, default=0.0)

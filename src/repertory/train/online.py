@@ -59,7 +59,7 @@ class OnlineTrainer(Trainer):
                 "check rollout.opponent and the environment"
             )
         self.backend.offload()  # the learner takes the device (a colocated vLLM engine sleeps until sync)
-        mismatch = self.learner.score(batch)
+        mismatch = self.learner.score(batch, version=self.backend.version)
         estimate_metrics = self.method.credit(batch, algo)
         self.write_credit(iteration, batch)
         update = self.learner.update(batch, iteration)
