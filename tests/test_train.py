@@ -338,7 +338,8 @@ def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
 def test_bench_train_reports_packed_unpacked_and_limit(tiny_path, capsys):
     main(["bench", "train", "--model", str(tiny_path), "--episodes", "2", "--turns", "3", "--json"])
     result = json.loads(capsys.readouterr().out)
-    for key in ("train_tok_s", "limit_tok_s", "packed_speedup", "packed_seconds", "unpacked_seconds"):
+    keys = ("train_tok_s", "limit_tok_s", "packed_speedup", "packed_seconds", "unpacked_seconds", "score_seconds")
+    for key in (*keys, "score_reused_seconds", "score_reused_speedup"):
         assert result[key] > 0, key
     for key in ("packed_bfloat16_seconds", "bfloat16_limit_tok_s", "bfloat16_speedup"):  # the CPU's bfloat16 step
         assert result[key] > 0, key

@@ -28,6 +28,13 @@ self-play trajectories shaped like the default recipe's (a growing chat, short a
 with the turns packed into one sequence per seat and unpacked (one sequence per turn). The limit
 is the same matmul throughput converted with the usual 6 x parameters FLOPs per trained token.
 
+``attention``: one layer's decode attention (one query token per row over a long key/value cache, SmolLM2's 9
+query heads over 3 key/value heads of size 64) through PyTorch's SDPA and through repertory's kernel
+(:mod:`repertory.models.decode`), as the model's attention function runs them, each as seconds per call and as
+the bytes of keys and values it must read (rows x key/value heads x tokens x head size x 4 x 2) per second,
+against the measured memory bandwidth. Every layer holds its own cache, as in the model, and the layers are
+called in turn, so the reads come from memory rather than the last-level cache.
+
 ``candidates``: Iterative GRPO's policy step over logged states, each with several sampled
 candidates (score with policy and reference, then forward, backward, AdamW), timed with each
 state's candidates sharing one encoding of its prompt (a tree sequence) and with one sequence per
@@ -38,6 +45,7 @@ candidate. The limit converts the matmul throughput with 10 x parameters FLOPs p
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,7 +59,9 @@ from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation import SamplingParams, make_backend
 from repertory.generation.core import ForwardPass, stop_token_ids
 from repertory.models import LoadedModel, attention_shape, kv_bytes_per_token
+from repertory.models.attention import gqa_sdpa_attention
 from repertory.models.chat import chat_prompt_ids
+from repertory.models.decode import SWITCH, decode_kernel
 from repertory.models.linear import linear, sampled_weight_bytes
 from repertory.models.packing import PackedSequence
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
@@ -327,6 +337,8 @@ def train_benchmark(loaded: Any, config: TrainBenchConfig) -> dict[str, Any]:
     if device == "cpu":
         result["packed_bfloat16_limit_tok_s"] = result["bfloat16_limit_tok_s"]
         result["bfloat16_speedup"] = result["packed_seconds"] / result["packed_bfloat16_seconds"]
+    full, reused = _score_seconds(loaded, episodes, config.lora)
+    result.update(score_seconds=full, score_reused_seconds=reused, score_reused_speedup=full / reused)
     result["train_tok_s"] = result["packed_tok_s"]
     result["train_over_limit"] = result["train_tok_s"] / result["limit_tok_s"]
     result["packed_speedup"] = result["unpacked_seconds"] / result["packed_seconds"]
@@ -360,6 +372,26 @@ def _train_step(
         learner.update(batch, iteration=iteration)
         seconds = time.perf_counter() - start
     return seconds, sum(len(seq.input_ids) for seq in batch.sequences), batch.n_tokens
+
+
+def _score_seconds(loaded: Any, episodes: list[Episode], lora: bool) -> tuple[float, float]:
+    """Seconds of a critic-free, float32 scoring pass over ``episodes`` with every sample scored by the policy, and
+    with an exact sampler's log-probs taken for the old policy's (the policy scoring the first micro-batch only),
+    each timed after an untimed pass. The sampler's log-probs are the learner's own, as the exact path records."""
+    from repertory.train.batch import collect
+    from repertory.train.learner import Learner
+
+    learner = Learner(copy.deepcopy(loaded), AlgoConfig(), LoraConfig(enabled=lora), CriticConfig(), needs_critic=False)
+    batch = collect(episodes)
+    learner.score(batch)
+    for i, experience in batch.experience.items():
+        batch.samples[i].logp_sample = experience.logp_old.tolist()
+    seconds = {}
+    for version in (None, 0, None, 0):  # each path's second pass is kept
+        start = time.perf_counter()
+        learner.score(batch, version=version)
+        seconds[version] = time.perf_counter() - start
+    return seconds[None], seconds[0]
 
 
 @dataclass
@@ -421,4 +453,91 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
     result["trained_tokens"] = len(responses) * config.response_tokens
     result["shared_speedup"] = result["separate_seconds"] / result["shared_seconds"]
     result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+@dataclass
+class AttentionBenchConfig:
+    """One layer's decode attention: ``rows`` x ``tokens`` cached, SmolLM2's heads by default."""
+
+    rows: int = 12
+    tokens: int = 2400
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    repeats: int = 20
+    layers: int = 30  # caches called in turn (SmolLM2's layers), fewer where they would pass 1 GiB
+    bandwidth_seconds: float = 1.0
+    seed: int = 0
+
+
+def _decode_caches(config: AttentionBenchConfig, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values as the engine holds them: the first ``tokens`` columns of a longer buffer."""
+    rng = torch.Generator().manual_seed(config.seed)
+    shape = (config.rows, config.kv_heads, config.tokens + 128, config.head_dim)
+    per_layer = 2 * config.rows * config.kv_heads * config.tokens * config.head_dim * dtype.itemsize
+    caches = []
+    for _ in range(max(1, min(config.layers, 2**30 // max(per_layer, 1)))):
+        key, value = (torch.randn(shape, generator=rng).to(dtype)[..., : config.tokens, :] for _ in range(2))
+        caches.append((key, value))
+    return caches
+
+
+def _seconds_per_call(query: torch.Tensor, caches: list, mask: torch.Tensor, repeats: int, kernel: bool) -> float:
+    """The median over ``repeats`` passes through every layer's cache of the attention function's seconds per call,
+    with the kernel switched on or off (``REPERTORY_DECODE_KERNEL``), after an untimed pass."""
+    module = torch.nn.Module()
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = "1" if kernel else "0"
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for key, value in caches:
+                gqa_sdpa_attention(module, query, key, value, mask, scaling=None)
+            times.append((time.perf_counter() - start) / len(caches))
+    finally:
+        if before is None:
+            del os.environ[SWITCH]
+        else:
+            os.environ[SWITCH] = before
+    return sorted(times[1:])[repeats // 2]
+
+
+def attention_benchmark(config: AttentionBenchConfig) -> dict[str, Any]:
+    """Seconds per call and GB/s of keys and values read by SDPA and by the kernel (float32 caches, and bfloat16
+    caches for the kernel alone), on the same inputs, with the measured memory bandwidth; ``kernel_*`` None where the
+    kernel could not be built."""
+    bandwidth = memory_bandwidth(config.bandwidth_seconds)
+    start = time.perf_counter()
+    loaded = decode_kernel() is not None
+    result: dict[str, Any] = {
+        **{k: getattr(config, k) for k in ("rows", "tokens", "heads", "kv_heads", "head_dim", "repeats")},
+        "threads": torch.get_num_threads(),
+        "bandwidth_gbs": bandwidth / 1e9,
+        "kernel_load_seconds": time.perf_counter() - start,
+    }
+    query = torch.randn(config.rows, config.heads, 1, config.head_dim, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(config.rows, 1, 1, config.tokens, dtype=torch.bool)  # as transformers passes a padded batch's
+    caches = _decode_caches(config, torch.float32)
+    result["layers"] = len(caches)
+    elements = config.rows * config.kv_heads * config.tokens * config.head_dim * 2
+    runs = {"sdpa": (caches, False, 4)}
+    if loaded:
+        runs.update(kernel=(caches, True, 4), kernel_bfloat16=(_decode_caches(config, torch.bfloat16), True, 2))
+    for name, (layer_caches, kernel, size) in runs.items():
+        seconds = _seconds_per_call(query, layer_caches, mask, config.repeats, kernel)
+        result[f"{name}_seconds"] = seconds
+        result[f"{name}_gbs"] = elements * size / seconds / 1e9
+        result[f"{name}_over_bandwidth"] = elements * size / seconds / bandwidth
+    for name in ("kernel", "kernel_bfloat16"):
+        result[f"{name}_speedup"] = result["sdpa_seconds"] / result[f"{name}_seconds"] if loaded else None
+        for key in ("seconds", "gbs", "over_bandwidth"):
+            result.setdefault(f"{name}_{key}", None)
+    if loaded:
+        key, value = caches[0]
+        reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        out, _ = gqa_sdpa_attention(torch.nn.Module(), query, key, value, mask, scaling=None)
+        result["max_abs_diff"] = (out - reference.transpose(1, 2)).abs().max().item()
+    result["kv_bytes"] = elements * 4
     return result

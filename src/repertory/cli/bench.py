@@ -159,6 +159,11 @@ def bench_train(
         f"trained tokens; {reduced}matmul {result['limit_gflops']:.1f} GFLOP/s in float32 on {result['threads']} "
         f"threads; peak RSS {result['peak_rss_mb']:.0f} MiB"
     )
+    out.print(
+        f"scoring pass (float32, no critic): {result['score_seconds']:.2f} s with every sample scored, "
+        f"{result['score_reused_seconds']:.2f} s with the exact sampler's log-probs taken as the old policy's "
+        f"({result['score_reused_speedup']:.2f}x)"
+    )
 
 
 @bench_app.command("candidates")
@@ -192,4 +197,49 @@ def bench_candidates(
         f"{result['trained_tokens']} trained tokens (scoring with policy and reference, forward, backward, AdamW); "
         f"matmul {result['limit_gflops']:.1f} GFLOP/s on {result['threads']} threads; "
         f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+    )
+
+
+@bench_app.command("attention")
+def bench_attention(
+    rows: int = typer.Option(12, "--rows", "-n", help="Rows (sequences) decoding at once."),
+    tokens: int = typer.Option(2400, "--tokens", help="Cached tokens per row."),
+    repeats: int = typer.Option(20, "--repeats", help="Timed passes through the layers' caches (median)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a table."),
+) -> None:
+    """One layer's decode attention (SmolLM2's 9 query over 3 key/value heads of size 64, one query token per row)
+    through SDPA and through repertory's kernel, against the memory bandwidth."""
+    from repertory.bench import AttentionBenchConfig, attention_benchmark
+
+    if min(rows, tokens, repeats) < 1:
+        raise RepertoryError("--rows, --tokens and --repeats must be at least 1")
+    result = attention_benchmark(AttentionBenchConfig(rows=rows, tokens=tokens, repeats=repeats))
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"decode attention: {rows} rows x {tokens} cached tokens, one layer's call")
+    for column in ("", "ms per call", "keys+values GB/s", "vs bandwidth", "vs SDPA"):
+        table.add_column(column, justify="right")
+    labels = {"sdpa": "SDPA", "kernel": "kernel", "kernel_bfloat16": "kernel (bfloat16)"}
+    for key, label in labels.items():
+        if result[f"{key}_seconds"] is not None:
+            speedup = result["sdpa_seconds"] / result[f"{key}_seconds"]
+            table.add_row(
+                label,
+                f"{result[f'{key}_seconds'] * 1e3:.3f}",
+                f"{result[f'{key}_gbs']:.1f}",
+                f"{result[f'{key}_over_bandwidth']:.1%}",
+                f"{speedup:.2f}x",
+            )
+    table.add_row("memory bandwidth", "", f"{result['bandwidth_gbs']:.1f}", "100%", "")
+    out.print(table)
+    kernel = (
+        f"kernel and SDPA outputs differ by at most {result['max_abs_diff']:.1e}"
+        if result["kernel_seconds"] is not None
+        else "the kernel is unavailable (switched off or not built): SDPA only"
+    )
+    out.print(
+        f"{kernel}; {result['layers']} layers' float32 caches ({result['layers'] * result['kv_bytes'] / 2**20:.0f} "
+        f"MiB, beyond the last-level cache at the default size) called in turn; {result['threads']} threads; "
+        "bfloat16: the kernel over a bfloat16 cache (half the bytes)"
     )

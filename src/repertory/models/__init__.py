@@ -25,6 +25,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from repertory.models.attention import ATTENTION
+from repertory.models.cache import cache_dir
 from repertory.models.linear import use_fast_linears
 from repertory.types import RepertoryError
 
@@ -79,14 +80,6 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     element size of ``dtype``."""
     layers, _, kv_heads, head_dim = attention_shape(config)
     return 2 * layers * kv_heads * head_dim * dtype.itemsize
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: $REPERTORY_CACHE, else $XDG_CACHE_HOME/repertory, else ~/.cache/repertory."""
-    if os.environ.get("REPERTORY_CACHE"):
-        return Path(os.environ["REPERTORY_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "repertory"
 
 
 def embedded_gguf() -> Path:
