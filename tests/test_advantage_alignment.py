@@ -271,8 +271,10 @@ class _Stop(Exception):
 
 
 def test_a_pool_run_resumed_after_a_kill_equals_the_uninterrupted_run(tmp_path, tokenizer):
-    # micro-batches of about a sequence: the sampler's log-probs stand for the old policy's beyond the first
+    # micro-batches of about a sequence, on the exact path: the sampler's log-probs stand for the old policy's
+    # beyond the first
     extra = (
+        "model.precision=float32",
         "rollout.opponent=pool",
         "method.pool.snapshot_every=1",
         "method.pool.p_snapshot=0.5",

@@ -56,13 +56,13 @@ class ModelConfig(_Section):
         "method, shared adapters, no rollout.workers, max_staleness or pool opponent.",
     )
     precision: Literal["auto", "float32", "bfloat16"] = Field(
-        "float32",
+        "auto",
         description="On a CPU, the precision of the frozen base's linear products, in the learner and in the hf "
         "engine's sampling alike (rollout.engine_args.precision overrides the sampler's): bfloat16 through oneDNN "
         "with float32 accumulation, while trained weights, the optimiser, norms, attention and the log-softmax stay "
         "float32. auto: bfloat16 for a LoRA run on one unsharded learner where the CPU multiplies bfloat16 natively "
-        "(AVX512_BF16 or AMX), else float32. float32 (the default until bfloat16 is shown to learn the same: "
-        "docs/results.md 30) is the exact path (sampler-learner gap 0). No effect on GPUs.",
+        "(AVX512_BF16 or AMX), else float32 (the default; bfloat16 learns as float32 does within +-0.03: "
+        "docs/results.md 31 and 33). float32 is the exact path (sampler-learner gap float noise). No effect on GPUs.",
     )
 
 
