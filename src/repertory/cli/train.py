@@ -81,7 +81,7 @@ def train(
         help="Data-parallel learner over N processes, one GPU each with model.device=cuda (on a CPU: N processes).",
     ),
 ) -> None:
-    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about five minutes on two CPU cores).
+    """Train with a recipe (no arguments: OMAR self-play with the embedded model, about two minutes on two CPU cores).
     A suite recipe (top-level key ``suite``) trains its whole grid and prints the table."""
     import os
     import sys
