@@ -38,6 +38,7 @@ def _train(tmp_path, model, name, *extra):
         "algo.lr=1e-2",
         "algo.mini_batches=1",
         "algo.micro_batch_tokens=256",  # several micro-batches per step, shared between the processes
+        "model.precision=float32",  # the exact path: bfloat16 rounds differently as the batch is split
     ):
         argv += ["--set", key]
     argv += extra  # after the defaults, so that an extra --set wins

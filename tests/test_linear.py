@@ -165,7 +165,7 @@ def test_the_learners_bfloat16_runs_only_frozen_products_and_matches_the_sampler
         assert torch.equal(frozen(x), reduced.detach())
 
 
-def test_auto_precision_is_bfloat16_only_for_a_lora_run_on_one_cpu_learner_with_native_bfloat16(monkeypatch):
+def test_auto_precision_is_bfloat16_for_a_lora_run_on_one_cpu_learner_sampled_by_hf_with_native_bf16(monkeypatch):
     import repertory.models.linear as linear_module
 
     monkeypatch.setattr(linear_module, "native_bfloat16", lambda: True)
@@ -173,6 +173,7 @@ def test_auto_precision_is_bfloat16_only_for_a_lora_run_on_one_cpu_learner_with_
     assert resolve_precision("auto", "cpu", lora=False, sharded=False) == "float32"  # full fine-tuning
     assert resolve_precision("auto", "cpu", lora=True, sharded=True) == "float32"
     assert resolve_precision("auto", "cuda", lora=True, sharded=False) == "float32"
+    assert resolve_precision("auto", "cpu", lora=True, sharded=False, engine="vllm") == "float32"  # its own dtype
     assert resolve_precision("bfloat16", "cpu", lora=False, sharded=False) == "bfloat16"  # asked for: given
     monkeypatch.setattr(linear_module, "native_bfloat16", lambda: False)  # emulated bfloat16 would be slower
     assert resolve_precision("auto", "cpu", lora=True, sharded=False) == "float32"

@@ -154,8 +154,9 @@ def test_a_new_method_is_one_file_its_config_and_a_test(loo, tokenizer, tmp_path
 @pytest.mark.parametrize(
     ("recipe", "since"),
     [
-        # The default recipe has changed since: 4 iterations, the estimator's discount, evaluated against itself.
-        ("default", ["iterations=4", "method.gamma=0.95", "eval.opponent=null"]),
+        # The default recipe has changed since: 4 iterations, the estimator's discount, evaluated against itself
+        # in 8 games.
+        ("default", ["iterations=4", "method.gamma=0.95", "eval.opponent=null", "eval.episodes=8"]),
         ("igrpo-craigslist", []),
         ("adalign-ipd", []),
         ("ppo-ipd-vs-cooperator", []),

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from repertory.config import load_config, recipe_name
-from repertory.runs import RunDir, new_run_dir, resolve_checkpoint
+from repertory.config import dump_config, load_config, recipe_name
+from repertory.runs import RunDir, load_run_config, new_run_dir, resolve_checkpoint
 from repertory.types import RepertoryError
 
 
@@ -126,3 +126,18 @@ def test_a_run_directory_travels_to_workers_and_processes(tmp_path):
         copy = pickle.loads(pickle.dumps(run, protocol))
         assert copy == run and copy.snapshot(3) == run.snapshot(3)
     assert RunDir.of_checkpoint(run.checkpoint(4)) == run
+
+
+def test_a_run_saved_before_model_precision_keeps_float32(tmp_path):
+    saved = dump_config(load_config())
+    assert "precision: auto" in saved  # the default now: bfloat16 where the CPU has it
+    new, old = tmp_path / "new.yaml", tmp_path / "old.yaml"
+    new.write_text(saved)
+    old.write_text(saved.replace("  precision: auto\n", ""))  # as runs wrote it before the key existed
+    assert load_run_config(new).model.precision == "auto"
+    assert load_run_config(old).model.precision == "float32"  # it trained in float32: it resumes in float32
+    assert load_run_config(old, ["model.precision=bfloat16"]).model.precision == "bfloat16"  # asked for: given
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed")
+    with pytest.raises(RepertoryError, match="not valid YAML"):
+        load_run_config(broken)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import yaml
+
 from repertory.config import TrainConfig, load_config
 from repertory.types import RepertoryError
 
@@ -257,13 +259,26 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig]:
         checkpoints = run.complete_checkpoints()
         if not checkpoints:
             raise RepertoryError(f"run {run} has no complete checkpoint yet")
-        return checkpoints[-1], load_config(str(run.config))
+        return checkpoints[-1], load_run_config(run.config)
     owner = RunDir.of_checkpoint(path)
     if (Path(path) / COMPLETE).is_file() and owner.is_run():
-        return Path(path), load_config(str(owner.config))
+        return Path(path), load_run_config(owner.config)
     raise RepertoryError(f"{path} is neither a run directory (config.yaml) nor a complete checkpoint (COMPLETE)")
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
     """True for a run directory or one of its checkpoint directories."""
     return RunDir(path).is_run() or (Path(path) / COMPLETE).is_file()
+
+
+def load_run_config(path: Path, overrides: list[str] | None = None) -> TrainConfig:
+    """A run's saved ``config.yaml`` with ``overrides``. A run saved before ``model.precision`` existed trained in
+    float32, which the key's default (auto) no longer gives on every CPU: it keeps float32, so that it resumes and
+    evaluates as it trained."""
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        saved = None  # load_config says what is wrong with it
+    model = saved.get("model") if isinstance(saved, dict) else None
+    legacy = [] if isinstance(model, dict) and "precision" in model else ["model.precision=float32"]
+    return load_config(str(path), [*legacy, *(overrides or [])])

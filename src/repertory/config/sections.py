@@ -60,9 +60,10 @@ class ModelConfig(_Section):
         description="On a CPU, the precision of the frozen base's linear products, in the learner and in the hf "
         "engine's sampling alike (rollout.engine_args.precision overrides the sampler's): bfloat16 through oneDNN "
         "with float32 accumulation, while trained weights, the optimiser, norms, attention and the log-softmax stay "
-        "float32. auto: bfloat16 for a LoRA run on one unsharded learner where the CPU multiplies bfloat16 natively "
-        "(AVX512_BF16 or AMX), else float32 (the default; bfloat16 learns as float32 does within +-0.03: "
-        "docs/results.md 31 and 33). float32 is the exact path (sampler-learner gap float noise). No effect on GPUs.",
+        "float32. auto: bfloat16 for a LoRA run on one unsharded learner sampled by hf where the CPU multiplies "
+        "bfloat16 natively (AVX512_BF16 or AMX), else float32 (the default; bfloat16 learns as float32 does "
+        "within +-0.03: docs/results.md 31 and 33). float32 is the exact path (sampler-learner gap float noise). "
+        "No effect on GPUs.",
     )
 
 

@@ -27,7 +27,9 @@ def run_precision(config: TrainConfig, device: str) -> str:
     """The precision of the frozen linear products of ``config``'s run on ``device`` (``model.precision``
     resolved): what its learner trains in and its hf engine samples in."""
     model = config.model
-    return resolve_precision(model.precision, torch.device(device).type, model.lora.enabled, model.sharding != "none")
+    device_type = torch.device(device).type
+    sharded = model.sharding != "none"
+    return resolve_precision(model.precision, device_type, model.lora.enabled, sharded, config.rollout.backend)
 
 
 def load_policy(checkpoint: Path, config: TrainConfig, device: str | None = None) -> LoadedModel:

@@ -137,14 +137,16 @@ def native_bfloat16() -> bool:
     return _ONEDNN and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_precision(requested: str, device: str, lora: bool, sharded: bool) -> str:
+def resolve_precision(requested: str, device: str, lora: bool, sharded: bool, engine: str = "hf") -> str:
     """The precision of a run's frozen linear products (``model.precision``) on ``device``: ``auto`` is bfloat16
-    for a LoRA run on one unsharded CPU learner whose CPU multiplies bfloat16 natively, float32 elsewhere (GPUs
-    run their own dtype, sharded weights are gathered in float32); an explicit precision is taken as given."""
+    for a LoRA run on one unsharded CPU learner whose CPU multiplies bfloat16 natively and whose sampler is the hf
+    ``engine`` (which then samples at the same precision), float32 elsewhere (GPUs run their own dtype, sharded
+    weights are gathered in float32, another engine samples in its own); an explicit precision is taken as
+    given."""
     if requested != "auto":
         return requested
     native = device == "cpu" and native_bfloat16()
-    return "bfloat16" if native and lora and not sharded else "float32"
+    return "bfloat16" if native and lora and not sharded and engine == "hf" else "float32"
 
 
 def use_fast_linears(model: torch.nn.Module) -> int:

@@ -15,7 +15,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from repertory.config import load_config  # noqa: E402
 from repertory.report.metrics import (  # noqa: E402
     FIGURES,
     J_IS_ZERO,
@@ -26,7 +25,7 @@ from repertory.report.metrics import (  # noqa: E402
     split_by_scale,
     with_final,
 )
-from repertory.runs import RunDir  # noqa: E402
+from repertory.runs import RunDir, load_run_config  # noqa: E402
 from repertory.stats import finite_number, format_mean_se, seed_summary  # noqa: E402
 from repertory.types import RepertoryError  # noqa: E402
 
@@ -138,7 +137,7 @@ def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return
     policy before that iteration's update) or ``final/METRIC`` after the last one."""
     _check_metric(metric)
     run = RunDir.existing(run_dir)
-    config = load_config(str(run.config))
+    config = load_run_config(run.config)
     curve: dict[int, float] = {}
     for line in read_metrics(run):
         if f"eval/{metric}" in line:
@@ -198,7 +197,7 @@ def default_metric(runs: Sequence[str | os.PathLike[str]]) -> tuple[str, str]:
 
 
 def _discount(run: str | os.PathLike[str]) -> float:
-    return load_config(str(RunDir.existing(run).config)).method.discount
+    return load_run_config(RunDir.existing(run).config).method.discount
 
 
 def results_table(

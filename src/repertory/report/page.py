@@ -24,7 +24,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from repertory.config import load_config
 from repertory.envs import KeyMetric, env_class
 from repertory.report.metrics import (
     FIGURES,
@@ -38,7 +37,7 @@ from repertory.report.metrics import (
     split_by_scale,
     with_final,
 )
-from repertory.runs import RunDir
+from repertory.runs import RunDir, load_run_config
 from repertory.store import StoreError, read_credit, read_episodes
 from repertory.types import Episode, Message, RepertoryError, message_dicts
 
@@ -157,7 +156,7 @@ def _run_facts(run_dir: RunDir, warnings: list[str]) -> _RunFacts:
     if not run_dir.is_run():
         return _RunFacts()
     try:
-        config = load_config(str(run_dir.config))
+        config = load_run_config(run_dir.config)
         return _RunFacts(config.evaluation_opponent, env_class(config.rollout.env).key_metric, config.method.discount)
     except RepertoryError as exc:
         warnings.append(f"{run_dir.config}: the game and the evaluation line-up are unknown ({exc})")

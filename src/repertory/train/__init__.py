@@ -16,12 +16,12 @@ from typing import Any
 
 from repertory.agents.resolve import spec_kind
 from repertory.algos.losses import get_policy_loss
-from repertory.config import TrainConfig, dump_config, load_config
+from repertory.config import TrainConfig, dump_config
 from repertory.envs import env_class
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import export_policy
-from repertory.runs import RunDir, new_run_dir
+from repertory.runs import RunDir, load_run_config, new_run_dir
 from repertory.train import distributed, warm
 from repertory.train.base import TIMING_PREFIXES, Trainer
 from repertory.train.methods import METHODS
@@ -123,7 +123,7 @@ def resume_run(
     """
     distributed.initialise()
     run = RunDir.existing(run_dir)
-    config = load_config(str(run.config), overrides)
+    config = load_run_config(run.config, overrides)
     trainer = build(config, run, loaded)
     checkpoints = run.complete_checkpoints()
     if checkpoints:
