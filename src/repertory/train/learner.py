@@ -322,15 +322,15 @@ class Learner:
         sampler's log-probs are the old policy's: the policy scores the first micro-batch only, to measure the
         gap, and the rest when that gap is above the exact path's float noise (``REUSED_GAP_TOL``)."""
         micros = self._micro_batches(batch.sequences)
-        reuse = self._reuses_sampler(batch, version)
         recorded = {
             i: torch.tensor(s.logp_sample, device=self.device)
             for i, s in enumerate(batch.samples)
             if s.trained and s.logp_sample and len(s.logp_sample) == len(s.response_ids)
         }
+        reuse = self._reuses_sampler(batch, version, recorded)
         with self.sharded_state(), learner_precision(self.precision):
             logp, values = self._score_policy(batch, micros[:1] if reuse else micros)
-            if reuse and _max_gap(logp, recorded) > REUSED_GAP_TOL:
+            if reuse and _mismatch(logp, recorded).get("offpolicy/max_gap", 0.0) > REUSED_GAP_TOL:
                 reuse = False
                 more, _ = self._score_policy(batch, micros[1:])
                 logp.update(more)
@@ -343,27 +343,22 @@ class Learner:
             mode = self.correction if i in recorded else "none"  # logged turns may carry no log-probs
             correction = losses.rollout_correction(old, recorded.get(i, old), mode, cap)
             batch.experience[i] = Experience(old, logp_ref[i], correction, values.get(i))
-        checked = [i for i in logp if i in recorded and len(recorded[i]) == len(logp[i])]
-        if not checked:
+        metrics = _mismatch(logp, recorded)
+        if not metrics:
             return {}
-        metrics = losses.sampler_mismatch(
-            torch.cat([logp[i] for i in checked]), torch.cat([recorded[i] for i in checked])
-        )
-        weights = torch.cat([batch.experience[i].correction for i in recorded if i in batch.experience])
+        weights = torch.cat([batch.experience[i].correction for i in recorded])
         metrics["offpolicy/weight_mean"] = float(weights.mean())
         metrics["offpolicy/rescored_frac"] = scored / max(1, sum(len(t) for t in logp_ref.values()))
         return metrics
 
-    def _reuses_sampler(self, batch: Batch, version: int | None) -> bool:
+    def _reuses_sampler(self, batch: Batch, version: int | None, recorded: dict[int, torch.Tensor]) -> bool:
         """Whether the sampler's log-probs can stand for the old policy's: an exact sampler (no correction), no
-        critic (its values come from the same pass), one process, and every trained sample recorded in full by
-        policy ``version``."""
+        critic (its values come from the same pass), one process, and every trained sample ``recorded`` in full
+        by policy ``version``."""
         if version is None or self.correction != "none" or self.value is not None or distributed.world_size() > 1:
             return False
-        trained = [s for s in batch.samples if s.trained]
-        return bool(trained) and all(
-            s.policy_version == version and len(s.logp_sample) == len(s.response_ids) for s in trained
-        )
+        trained = [i for i, s in enumerate(batch.samples) if s.trained]
+        return bool(trained) and all(i in recorded and batch.samples[i].policy_version == version for i in trained)
 
     def _score_policy(
         self, batch: Batch, micros: list[list[PackedSequence]]
@@ -537,7 +532,10 @@ def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch
     return out
 
 
-def _max_gap(logp: dict[int, torch.Tensor], recorded: dict[int, torch.Tensor]) -> float:
-    """The largest absolute gap between the learner's and the sampler's log-probs over the samples both have."""
-    gaps = [float((logp[i] - recorded[i]).abs().max()) for i in logp if i in recorded and len(logp[i])]
-    return max(gaps, default=0.0)
+def _mismatch(logp: dict[int, torch.Tensor], recorded: dict[int, torch.Tensor]) -> dict[str, float]:
+    """The sampler-learner mismatch (:func:`losses.sampler_mismatch`) over the samples the learner scored and the
+    sampler recorded; empty when there are none."""
+    both = [i for i in logp if i in recorded]
+    if not both:
+        return {}
+    return losses.sampler_mismatch(torch.cat([logp[i] for i in both]), torch.cat([recorded[i] for i in both]))
