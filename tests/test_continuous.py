@@ -164,13 +164,13 @@ def test_kept_prefixes_share_the_budget_with_rows_in_flight(tokenizer):
     params = SamplingParams(max_new_tokens=4)
     prompts = [tokenizer.encode(f"seat {i} speaks. " * 8) for i in range(6)]
     backend.generate(prompts, params, seeds=list(range(6)), cache_keys=[("k", i) for i in range(6)])
-    assert 0 < backend._prefix_tokens <= backend.budget_tokens
-    kept = sum(len(p.token_ids) for p in backend._prefixes.values())
-    assert kept == backend._prefix_tokens
+    assert 0 < backend.prefixes.tokens <= backend.budget_tokens
+    kept = sum(len(p.token_ids) for p in backend.prefixes.values())
+    assert kept == backend.prefixes.tokens
     stream = backend.stream(params)
     stream.add(tokenizer.encode("a long new prompt " * 40), 0)
     stream.step()  # a row in flight claims its room: the kept prefixes shrink to what is left
-    assert backend._prefix_tokens + stream._need(stream.rows) <= backend.budget_tokens
+    assert backend.prefixes.tokens + stream._need(stream.rows) <= backend.budget_tokens
 
 
 def test_constrained_rows_reserve_their_longest_answer_so_the_chats_stay_cached(tokenizer):

@@ -17,11 +17,12 @@ from repertory.config import JudgeConfig, TrainConfig
 from repertory.envs.social import DIMENSIONS, FINE_GRAINED, Social
 from repertory.eval import evaluate
 from repertory.generation import make_backend
-from repertory.judges import ChatJudge, LocalJudge, json_messages, make_judge, parse_verdict
+from repertory.judges import ChatJudge, LocalJudge, dimension_messages, json_messages, make_judge, parse_verdict
 from repertory.models import tiny_model
+from repertory.models.chat import chat_prompt_ids
 from repertory.remote import ChatClient, Endpoint, ResponseCache
 from repertory.store import write_episodes
-from repertory.types import JudgeRequest, RepertoryError
+from repertory.types import JudgeRequest, Message, RepertoryError
 
 GUITAR = [8, 9, 5, 0, 0, 2, 3]
 
@@ -167,7 +168,16 @@ def test_the_local_judge_answers_every_scale_in_range_in_one_batched_call(tmp_pa
     judge = LocalJudge(backend, "local:tiny", ResponseCache(tmp_path / "local.sqlite"))
     requests = [request(), JudgeRequest("fine-grained", "Score.", "Turn 1. Bo: hi", ("agent_1",), FINE_GRAINED)]
     first = judge.score(requests)
-    assert judge.stats.calls == 2 and judge.stats.failed == 0  # first questions, then the rest on their prefixes
+    assert judge.stats.calls == 1 and judge.stats.failed == 0
+    # each request's questions share its prompt up to the question: that prefix is encoded once per request
+    encoded = 0
+    for r in requests:
+        chats = [dimension_messages(r, a, d.name) for a in r.agents for d in r.dimensions]
+        prompts = [chat_prompt_ids(backend.tokenizer, [Message(m["role"], m["content"]) for m in c]) for c in chats]
+        common = next(n for n in range(len(prompts[0])) if len({tuple(p[: n + 1]) for p in prompts}) > 1)
+        encoded += common + sum(len(p) - common for p in prompts)
+    stats = backend.stats
+    assert stats.reused_prompt_tokens == 0 and stats.prompt_tokens - stats.shared_prompt_tokens == encoded
     for r, verdict in zip(requests, first):
         assert set(verdict) == set(r.agents)
         for scores in verdict.values():
@@ -175,7 +185,7 @@ def test_the_local_judge_answers_every_scale_in_range_in_one_batched_call(tmp_pa
                 d.low <= scores[d.name] <= d.high and scores[d.name] == int(scores[d.name]) for d in r.dimensions
             )
     again = judge.score(requests)
-    assert again == first and judge.stats.calls == 2 and judge.stats.cache_hits == 2 * 7 + 5
+    assert again == first and judge.stats.calls == 1 and judge.stats.cache_hits == 2 * 7 + 5
 
 
 def test_omar_trains_on_social_with_a_hybrid_judge_over_http_and_skips_failed_episodes(tmp_path, monkeypatch):

@@ -77,6 +77,38 @@ def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tok
         assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
 
 
+def test_rows_joining_under_one_key_encode_their_common_prefix_once_and_sample_as_if_alone(backend, tokenizer):
+    head = tokenizer.encode("Scenario: a used bike for sale. " * 4)
+    questions = [tokenizer.encode(q) for q in (" Score agent 1.", " Score agent 2 on trust.", " Rate it.")]
+    prompts, seeds = [head + q for q in questions] + [tokenizer.encode("You are Bob.")], [31, 32, 33, 34]
+    episode = object()  # a key no kept prefix has
+    params = SamplingParams(max_new_tokens=8)
+    shared_before, passes_before = backend.stats.shared_prompt_tokens, backend.stats.forward_passes
+    together = backend.generate(prompts, params, seeds, cache_keys=[episode, episode, episode, None])
+    assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(head)
+    # the common prefix encoded once, Bob's prompt but its last token alone, then one pass of the short suffixes
+    first, second, suffixes = backend.stats.passes[passes_before : passes_before + 3]
+    assert {(first.rows, first.new_tokens), (second.rows, second.new_tokens)} == {
+        (1, len(head)),
+        (1, len(prompts[3]) - 1),
+    }
+    assert (suffixes.rows, suffixes.new_tokens) == (4, sum(len(q) for q in questions) + 1)
+    for prompt, seed, g in zip(prompts, seeds, together):
+        alone = backend.generate([prompt], params, [seed])[0]
+        assert alone.response_ids == g.response_ids
+        assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
+
+
+def test_rows_of_one_cache_key_join_side_by_side_at_the_place_of_their_shortest():
+    from repertory.generation.hf import _join_order
+
+    prompts = [[1] * 9, [2] * 3, [1] * 5, [3] * 4, [2] * 7, [4] * 2]
+    keys = ["a", "b", "a", None, "b", None]
+    # b's rows at 3 (its shortest), a's at 5, the keyless rows at their own lengths, 2 and 4
+    assert _join_order(prompts, keys) == [5, 1, 4, 3, 2, 0]
+    assert _join_order(prompts, [None] * 6) == sorted(range(6), key=lambda i: len(prompts[i]))
+
+
 def test_greedy_budget_and_stop_strings(backend, tokenizer):
     prompt = [tokenizer.encode("Count with me")]
     greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]

@@ -172,10 +172,10 @@ class ChatJudge:
 
 @dataclass
 class LocalJudge:
-    """A judge on a local model: one constrained greedy answer per (agent, scale), batched. Every question about
-    one episode starts with the same prompt (the rubric and the episode), so the first question of each episode
-    goes in a first call and the rest in a second, which reuses that prompt's keys and values from the
-    backend's prefix cache instead of reading the episode again for every scale."""
+    """A judge on a local model: one constrained greedy answer per (agent, scale), all in one batched call.
+    Every question about one episode starts with the same prompt (the rubric and the episode) and carries that
+    prompt as its cache key, so the questions that join the batch together encode the episode once
+    (:class:`~repertory.generation.hf.HFBackend` shares a key's common prefix) instead of once per scale."""
 
     backend: Backend
     name: str
@@ -202,29 +202,19 @@ class LocalJudge:
             else:
                 keys.append(key)
                 todo.append((q, messages, d))
-        tokenizer = self.backend.tokenizer
-        params = SamplingParams(temperature=0.0, max_new_tokens=4)
-        pending = list(zip(todo, keys))
-        first = set({questions[q][0]: n for n, ((q, _, _), _) in reversed(list(enumerate(pending)))}.values())
-        for phase in (
-            [p for n, p in enumerate(pending) if n in first],
-            [p for n, p in enumerate(pending) if n not in first],
-        ):
-            if not phase:
-                continue
+        if todo:
             self.stats.calls += 1
+            tokenizer = self.backend.tokenizer
             prompts = [
-                chat_prompt_ids(tokenizer, [Message(m["role"], m["content"]) for m in msgs])
-                for (_, msgs, _), _ in phase
+                chat_prompt_ids(tokenizer, [Message(m["role"], m["content"]) for m in msgs]) for _, msgs, _ in todo
             ]
-            constraints = [
-                self.backend.constraint([str(v) for v in range(d.low, d.high + 1)]) for (_, _, d), _ in phase
+            constraints = [self.backend.constraint([str(v) for v in range(d.low, d.high + 1)]) for _, _, d in todo]
+            episodes = [
+                (self.name, requests[questions[q][0]].kind, requests[questions[q][0]].context) for q, _, _ in todo
             ]
-            prefix_keys = [
-                (self.name, requests[questions[q][0]].kind, requests[questions[q][0]].context) for (q, _, _), _ in phase
-            ]
-            generations = self.backend.generate(prompts, params, [0] * len(phase), constraints, prefix_keys)
-            for ((q, _, _), key), g in zip(phase, generations):
+            params = SamplingParams(temperature=0.0, max_new_tokens=4)
+            generations = self.backend.generate(prompts, params, [0] * len(todo), constraints, episodes)
+            for (q, _, _), key, g in zip(todo, keys, generations):
                 answers[q] = self.backend.decode(g.response_ids).strip()
                 if self.cache is not None:
                     self.cache.put(key, self.name, answers[q])

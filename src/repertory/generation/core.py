@@ -180,7 +180,7 @@ class GenerationStats:
     calls: int = 0  # batches of rows that joined the engine (hf: each admission; one generate call at least one)
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0
-    shared_prompt_tokens: int = 0  # not encoded: another row of the same call had the same prompt
+    shared_prompt_tokens: int = 0  # not encoded: a row joining with it had the same prompt, or its key's prefix
     generated_tokens: int = 0
     forward_passes: int = 0
     # every pass's ForwardPass flat, four integers a pass, so a long run's records stay small (hf only)

@@ -20,7 +20,9 @@ tokens (a role's growing chat), only the new suffix is encoded, and the kept cop
 holds those keys and values now, and its finish keeps the longer chat), so no chat is held twice.
 
 Identical prompts joining together (several samples of one state) are encoded once: the prefill runs each
-distinct prompt and its keys and values are copied to the rows that share it.
+distinct prompt and its keys and values are copied to the rows that share it. Rows joining together under one
+cache key with no kept prefix (a judge's questions about one episode) share their common prefix the same way:
+a first pass encodes it once per key, the prefill then encodes each row's own suffix after it.
 
 Each row draws its randomness from its own seed, so a row's tokens do not depend on which other rows share its
 batch or when it joined. Constrained rows may only produce one of a finite set of complete responses: their
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,22 +52,25 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
-from repertory.generation.kvcache import batch_cache, left_pad
+from repertory.generation.kvcache import (
+    MIN_REUSE,
+    Hit,
+    KeptPrefixes,
+    Prefix,
+    assemble_past,
+    batch_cache,
+    left_pad,
+    left_padded,
+    row_kv,
+)
 from repertory.models import LoadedModel, kv_bytes_per_token
 from repertory.models.adapters import BASE_ROW, per_row_adapters
 from repertory.models.linear import PRECISIONS, free_reduced_copies, sampling_precision
 from repertory.types import RepertoryError
 
-MIN_REUSE = 8
 CPU_KV_MEMORY_MB = 2048  # keys and values in flight plus kept prefixes, on a CPU (docs/design.md, Memory)
 GPU_KV_SHARE = 0.25  # of the device's memory, on a GPU
 REBUILD_SHARE = 0.25  # rows leaving plus joining, of the rows in flight, that make a batch rebuild worth its copy
-
-
-@dataclass
-class _Prefix:
-    token_ids: list[int]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [heads, tokens, head_dim]
 
 
 @dataclass
@@ -122,9 +126,7 @@ class HFBackend(TokenizedChoices):
         self.precision = precision
         self.budget_tokens = int(memory_mb * 2**20) // self.token_bytes
         self.max_batch = max_batch
-        self.prefix_cache_tokens = self.budget_tokens if prefix_cache_tokens is None else prefix_cache_tokens
-        self._prefixes: OrderedDict[object, _Prefix] = OrderedDict()
-        self._prefix_tokens = 0
+        self.prefixes = KeptPrefixes(self.budget_tokens if prefix_cache_tokens is None else prefix_cache_tokens)
         self._reserved: dict[int, int] = {}  # stream id -> tokens its rows in flight may fill
         self.stats = GenerationStats()
         self.version = 0
@@ -167,7 +169,7 @@ class HFBackend(TokenizedChoices):
         stream = self.stream(params)
         index = {
             stream.add(prompts[i], seeds[i], constraints[i], keys[i], enough[i], chosen[i]): i
-            for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+            for i in _join_order(prompts, keys)
         }
         while stream.busy:
             for ticket, generation in stream.step():
@@ -199,82 +201,56 @@ class HFBackend(TokenizedChoices):
             self._reserved[id(stream)] = tokens
         else:
             self._reserved.pop(id(stream), None)
-        self._evict()
+        self.prefixes.evict(self.budget_tokens - sum(self._reserved.values()))
 
     def room(self, stream: DecodeStream) -> int:
         """Tokens of the budget that ``stream``'s rows in flight may fill (the other streams' taken out)."""
         return self.budget_tokens - sum(t for s, t in self._reserved.items() if s != id(stream))
 
-    def _evict(self) -> None:
-        limit = min(self.prefix_cache_tokens, self.budget_tokens - sum(self._reserved.values()))
-        while self._prefixes and self._prefix_tokens > limit:
-            _, evicted = self._prefixes.popitem(last=False)
-            self._prefix_tokens -= len(evicted.token_ids)
-
-    def _reusable(self, key: object, prompt: Sequence[int]) -> tuple[list[int], _Prefix] | None:
-        """The longest kept prefix of ``prompt`` under ``key`` (leaving one token to encode), if worth it."""
-        if key is None or key not in self._prefixes:
-            return None
-        prefix = self._prefixes[key]
-        limit = min(len(prefix.token_ids), len(prompt) - 1)
-        common = 0
-        while common < limit and prefix.token_ids[common] == prompt[common]:
-            common += 1
-        if common < MIN_REUSE:
-            return None
-        self._prefixes.move_to_end(key)
-        return prefix.token_ids[:common], prefix
-
-    def _assemble_past(
-        self, reused: list[tuple[list[int], _Prefix] | None], device: torch.device
-    ) -> tuple[DynamicCache, torch.Tensor]:
-        """A left-padded batch cache of the reused prefixes (empty when none), and its attention mask."""
-        n = len(reused)
-        longest = max((len(r[0]) for r in reused if r), default=0)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        cache = batch_cache()
-        if longest == 0:
-            return cache, mask
-        sample = next(r[1].kv for r in reused if r)
-        for layer, (k0, v0) in enumerate(sample):
-            keys = k0.new_zeros((n, k0.shape[0], longest, k0.shape[2]))
-            values = v0.new_zeros((n, v0.shape[0], longest, v0.shape[2]))
-            for i, r in enumerate(reused):
-                if r:
-                    length = len(r[0])
-                    k, v = r[1].kv[layer]
-                    keys[i, :, longest - length :] = k[:, :length]
-                    values[i, :, longest - length :] = v[:, :length]
-            cache.update(keys.to(device), values.to(device), layer)
-        for i, r in enumerate(reused):
-            if r:
-                mask[i, longest - len(r[0]) :] = 1
-        return cache, mask
-
     def _keep_prefix(
         self, key: object, token_ids: list[int], cache: DynamicCache, row: int, mask: torch.Tensor
     ) -> None:
         """Keep one row's keys and values (its unpadded positions) for the next turn under ``key``."""
-        if key is None or len(token_ids) > self.prefix_cache_tokens:
-            return
-        valid = mask.nonzero().squeeze(1)
-        kv = [
-            (layer.keys[row][:, valid].contiguous(), layer.values[row][:, valid].contiguous()) for layer in cache.layers
-        ]
-        old = self._prefixes.pop(key, None)
-        self._prefix_tokens += len(token_ids) - (len(old.token_ids) if old else 0)
-        self._prefixes[key] = _Prefix(token_ids, kv)
-        self._evict()
+        if key is not None and len(token_ids) <= self.prefixes.cap:
+            room = self.budget_tokens - sum(self._reserved.values())
+            self.prefixes.keep(key, Prefix(token_ids, row_kv(cache, row, mask)), room)
 
-    def _forget(self, key: object) -> None:
-        forgotten = self._prefixes.pop(key, None)
-        if forgotten is not None:
-            self._prefix_tokens -= len(forgotten.token_ids)
+    def _encode_shared(
+        self, rows: Sequence[_Row], kept: Sequence[Hit | None], device: torch.device
+    ) -> tuple[list[Hit | None], int]:
+        """Rows joining together under one cache key and adapter, with no kept prefix (a judge's questions about
+        one episode), share their common prompt prefix: each group's is encoded once, one prefix a pass (unpadded,
+        so the attention is causal and skips the masked half). Where a join shares, every other row without a
+        prefix has its prompt but the last token encoded the same way: the suffix pass then feeds a few tokens a
+        row instead of padding every row to the longest whole prompt. Per row the prefix it starts from (as
+        ``KeptPrefixes.longest`` gives it, None where none), and the tokens encoded."""
+        groups: dict[tuple[object, object], list[int]] = {}
+        for i, (row, hit) in enumerate(zip(rows, kept)):
+            if hit is None:  # identical prompts without a key are one group: the prefill copies them anyway
+                groups.setdefault((row.key if row.key is not None else tuple(row.prompt), row.adapter), []).append(i)
+        commons = {group: _common_length([rows[i].prompt for i in members]) for group, members in groups.items()}
+        sharing = any(rows[m[0]].key is not None and len(m) > 1 and commons[g] >= MIN_REUSE for g, m in groups.items())
+        shared: list[Hit | None] = [None] * len(rows)
+        if not sharing:
+            return shared, 0
+        encoded = 0
+        for group, members in groups.items():
+            tokens = rows[members[0]].prompt[: commons[group]]
+            if not tokens:
+                continue
+            mask = torch.ones((1, len(tokens)), dtype=torch.long, device=device)
+            positions = torch.arange(len(tokens), device=device).unsqueeze(0)
+            ids = torch.tensor([tokens], dtype=torch.long, device=device)
+            _, cache = self._forward(ids, mask, positions, batch_cache(), adapters=[rows[members[0]].adapter])
+            prefix = Prefix(tokens, [(layer.keys[0], layer.values[0]) for layer in cache.layers])
+            for i in members:
+                shared[i] = (tokens, prefix)
+            encoded += len(tokens)
+        return shared, encoded
 
     def reset_cache(self) -> None:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
-        self._prefixes.clear()
-        self._prefix_tokens = 0
+        self.prefixes.clear()
 
     def sync(self, policy: Any) -> None:
         """The learner updated ``policy``, the very module this backend runs: nothing to copy, but every kept
@@ -368,6 +344,29 @@ class HFBackend(TokenizedChoices):
             scores = scores + (-torch.log(-torch.log(uniform))).to(scores.device)
         chosen = scores.argmax(dim=-1)
         return chosen, logp_full.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _join_order(prompts: Sequence[Sequence[int]], keys: Sequence[object]) -> list[int]:
+    """Shortest prompts first (less padding), the rows of one cache key side by side (so that they join together
+    and share their prefix): each key's rows at the place of its shortest one."""
+    group: dict[object, tuple[int, int]] = {}  # key -> (its shortest prompt, its first row)
+    for i, key in enumerate(keys):
+        if key is not None:
+            shortest, first = group.get(key, (len(prompts[i]), i))
+            group[key] = (min(shortest, len(prompts[i])), first)
+    return sorted(
+        range(len(prompts)),
+        key=lambda i: (*(group[keys[i]] if keys[i] is not None else (len(prompts[i]), i)), len(prompts[i])),
+    )
+
+
+def _common_length(prompts: Sequence[Sequence[int]]) -> int:
+    """The length of the prompts' common prefix, leaving every prompt at least one token to encode."""
+    limit = min(len(p) for p in prompts) - 1
+    common = 0
+    while common < limit and all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    return common
 
 
 def _default_kv_memory_mb(device: torch.device) -> float:
@@ -487,33 +486,34 @@ class DecodeStream:
         self.rows += joining
 
     def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Encode the joining rows' prompts (each distinct prompt once, after its kept prefix): their cache, mask,
-        last positions and next-token logits."""
+        """Encode the joining rows' prompts (each distinct prompt once, after its kept or shared prefix): their
+        cache, mask, last positions and next-token logits."""
         backend, device = self.backend, self.backend.loaded.device
-        reused = [backend._reusable(r.key, r.prompt) for r in rows]
-        for row, hit in zip(rows, reused):
+        kept = [backend.prefixes.longest(r.key, r.prompt) for r in rows]
+        for row, hit in zip(rows, kept):
             if hit:  # the row carries these keys and values now; its finish keeps the longer chat
-                backend._forget(row.key)
+                backend.prefixes.forget(row.key)
+        shared, shared_encoded = backend._encode_shared(rows, kept, device)
+        reused = [k or s for k, s in zip(kept, shared)]
         distinct: dict[tuple[tuple[int, ...], int, object], int] = {}
         source = [
             distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0, r.adapter), i)
             for i, (r, u) in enumerate(zip(rows, reused))
         ]
         encoded = sorted(set(source))
-        cache, past_mask = backend._assemble_past([reused[i] for i in encoded], device)
+        cache, past_mask = assemble_past([reused[i] for i in encoded], device)
         suffixes = [rows[i].prompt[len(reused[i][0]) if reused[i] else 0 :] for i in encoded]
-        width = max(len(x) for x in suffixes)
-        pad = backend.tokenizer.pad_token_id if backend.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        suffix_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, suffix in enumerate(suffixes):
-            input_ids[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
-            suffix_mask[i, width - len(suffix) :] = 1
+        input_ids, suffix_mask = left_padded(suffixes, backend.tokenizer.pad_token_id)
+        width = input_ids.shape[1]
         mask = torch.cat([past_mask, suffix_mask], dim=1).to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
         backend.stats.prompt_tokens += sum(len(r.prompt) for r in rows)
-        backend.stats.reused_prompt_tokens += sum(len(u[0]) for u in reused if u)
-        backend.stats.shared_prompt_tokens += sum(len(rows[i].prompt) for i in range(len(rows)) if source[i] != i)
+        backend.stats.reused_prompt_tokens += sum(len(u[0]) for u in kept if u)
+        backend.stats.shared_prompt_tokens += (
+            sum(len(rows[i].prompt) for i in range(len(rows)) if source[i] != i)
+            + sum(len(shared[i][0]) for i in encoded if shared[i])  # type: ignore[index]
+            - shared_encoded
+        )
         logits, cache = backend._forward(
             input_ids.to(device), mask, positions, cache, adapters=[rows[i].adapter for i in encoded]
         )

@@ -1,8 +1,11 @@
 """The key/value cache of a left-padded batch whose rows join and leave between decode steps (the hf engine's
-:class:`~repertory.generation.hf.DecodeStream`)."""
+:class:`~repertory.generation.hf.DecodeStream`), and the prefixes kept between turns (:class:`KeptPrefixes`)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 GROW_TOKENS = 128
+MIN_REUSE = 8  # prompt tokens a kept prefix must cover to be worth reusing
 
 
 class BatchLayer(DynamicLayer):
@@ -89,3 +93,109 @@ def batch_cache() -> DynamicCache:
 def left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
     """``mask`` padded with zero columns on the left to ``width``."""
     return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))
+
+
+@dataclass
+class Prefix:
+    """Keys and values of some tokens, per layer ``[heads, tokens, head_dim]``."""
+
+    token_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+Hit = tuple[list[int], Prefix]
+"""The tokens of a prompt that a prefix covers, and the prefix."""
+
+
+class KeptPrefixes:
+    """Keys and values kept after rows finish, under their cache keys: the least recently used are evicted first
+    beyond the room a caller gives (what the rows in flight leave of the memory budget), and never more than
+    ``cap`` tokens (0: keep none)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.tokens = 0
+        self._kept: OrderedDict[object, Prefix] = OrderedDict()
+
+    def values(self) -> list[Prefix]:
+        return list(self._kept.values())
+
+    def longest(self, key: object, prompt: Sequence[int]) -> Hit | None:
+        """The longest prefix of ``prompt`` kept under ``key`` (leaving one token to encode), if worth it."""
+        if key is None or key not in self._kept:
+            return None
+        prefix = self._kept[key]
+        limit = min(len(prefix.token_ids), len(prompt) - 1)
+        common = 0
+        while common < limit and prefix.token_ids[common] == prompt[common]:
+            common += 1
+        if common < MIN_REUSE:
+            return None
+        self._kept.move_to_end(key)
+        return prefix.token_ids[:common], prefix
+
+    def keep(self, key: object, prefix: Prefix, room: int) -> None:
+        """Keep ``prefix`` under ``key`` (replacing what was there), then evict down to ``room`` tokens."""
+        old = self._kept.pop(key, None)
+        self.tokens += len(prefix.token_ids) - (len(old.token_ids) if old else 0)
+        self._kept[key] = prefix
+        self.evict(room)
+
+    def forget(self, key: object) -> None:
+        forgotten = self._kept.pop(key, None)
+        if forgotten is not None:
+            self.tokens -= len(forgotten.token_ids)
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self.tokens = 0
+
+    def evict(self, room: int) -> None:
+        """Drop the least recently used prefixes until the kept tokens fit ``room`` and the cap."""
+        while self._kept and self.tokens > min(self.cap, room):
+            _, evicted = self._kept.popitem(last=False)
+            self.tokens -= len(evicted.token_ids)
+
+
+def assemble_past(hits: Sequence[Hit | None], device: torch.device) -> tuple[DynamicCache, torch.Tensor]:
+    """A left-padded batch cache of each row's prefix (empty when none has one), and its attention mask."""
+    n = len(hits)
+    longest = max((len(h[0]) for h in hits if h), default=0)
+    mask = torch.zeros((n, longest), dtype=torch.long)
+    cache = batch_cache()
+    if longest == 0:
+        return cache, mask
+    sample = next(h[1].kv for h in hits if h)
+    for layer, (k0, v0) in enumerate(sample):
+        keys = k0.new_zeros((n, k0.shape[0], longest, k0.shape[2]))
+        values = v0.new_zeros((n, v0.shape[0], longest, v0.shape[2]))
+        for i, h in enumerate(hits):
+            if h:
+                length = len(h[0])
+                k, v = h[1].kv[layer]
+                keys[i, :, longest - length :] = k[:, :length]
+                values[i, :, longest - length :] = v[:, :length]
+        cache.update(keys.to(device), values.to(device), layer)
+    for i, h in enumerate(hits):
+        if h:
+            mask[i, longest - len(h[0]) :] = 1
+    return cache, mask
+
+
+def row_kv(cache: DynamicCache, row: int, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One row's keys and values at its unpadded positions (``mask``: that row's), per layer."""
+    valid = mask.nonzero().squeeze(1)
+    return [
+        (layer.keys[row][:, valid].contiguous(), layer.values[row][:, valid].contiguous()) for layer in cache.layers
+    ]
+
+
+def left_padded(sequences: Sequence[Sequence[int]], pad: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids left-padded to the longest (with ``pad``, 0 if None) and their mask."""
+    width = max(len(x) for x in sequences)
+    input_ids = torch.full((len(sequences), width), pad if pad is not None else 0, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, tokens in enumerate(sequences):
+        input_ids[i, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+        mask[i, width - len(tokens) :] = 1
+    return input_ids, mask
