@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from repertory.cli import main
 from repertory.config import dump_config, load_config
+from repertory.experiments import Exploitability, ExploitRun
 from repertory.report import results_table, run_scores
+from repertory.stats import Paired, bootstrap_gain, mean, paired_t, t_critical, t_two_sided_p
 from repertory.types import RepertoryError
 
 
@@ -55,7 +58,7 @@ def test_run_scores_read_base_best_and_last(runs):
 
 
 def test_best_checkpoint_table_matches_q5(runs):
-    table = results_table(runs)
+    table = results_table(runs, "best")
     assert (table.metric, table.why) == ("discounted_return", "")  # every run discounts: J, the paper's score
     mean, se, n = table.cells[("igrpo", "craigslist")]
     assert (mean, n) == (pytest.approx(0.55), 3) and se == pytest.approx(0.0115, abs=1e-4)
@@ -71,9 +74,26 @@ def test_best_checkpoint_table_matches_q5(runs):
 
 
 def test_last_checkpoint_table(runs):
-    table = results_table(runs, "last")
+    table = results_table(runs)
+    assert table.checkpoint == "last"  # the protocol's default: best selects on the held-out kernels
     assert table.cells[("igrpo", "craigslist")][0] == pytest.approx((0.45 + 0.50 + 0.53) / 3)
     assert table.cells[("mt-kto", "ultimatum")] == (pytest.approx(0.30), 0.0, 1)
+
+
+def test_rows_are_paired_by_seed_with_a_t_test_of_seeds_minus_one_df(runs):
+    # igrpo - base per seed: 0.45 - 0.10, 0.50 - 0.12, 0.53 - 0.08 = 0.35, 0.38, 0.45: mean 0.3933, SE 0.02963,
+    # t = 13.28 with 2 df: p = 1 - t / sqrt(2 + t^2) = 0.00563, CI mean ± 4.3027 SE; mt-kto has one seed, no pair
+    table = results_table(runs)
+    assert list(table.contrasts) == [("igrpo", "base", "craigslist")]
+    c = table.contrasts[("igrpo", "base", "craigslist")]
+    assert (c.mean, c.se, c.seeds) == (pytest.approx(0.393333, abs=1e-6), pytest.approx(0.029627, abs=1e-6), 3)
+    assert (c.low, c.high, c.p) == (
+        pytest.approx(0.265857, abs=1e-6),
+        pytest.approx(0.520809, abs=1e-6),
+        pytest.approx(0.005626, abs=1e-6),
+    )
+    assert "| igrpo − base | craigslist | +0.393 ± 0.030 | +0.266 to +0.521 | 0.006 | 3 |" in table.markdown()
+    assert "igrpo,base,craigslist,0.393333,0.029627,0.265857,0.520809,0.00562582,3,last" in table.contrasts_csv()
 
 
 def test_table_errors(tmp_path, runs):
@@ -93,9 +113,10 @@ def test_table_errors(tmp_path, runs):
 def test_report_table_command(runs, tmp_path, capsys):
     main(["report", "--table", *map(str, runs), "--out", str(tmp_path / "out")])
     printed = capsys.readouterr().out
-    assert "0.55 ± .01" in printed and "mt-kto" in printed
+    assert "0.49 ± .02" in printed and "mt-kto" in printed  # the last checkpoints: 0.45, 0.50, 0.53
     assert (tmp_path / "out" / "table.md").read_text().startswith("| method | craigslist | ultimatum |")
     assert (tmp_path / "out" / "table.csv").read_text().startswith("method,env,mean,se,seeds,checkpoint")
+    assert "igrpo − base" in printed and (tmp_path / "out" / "contrasts.csv").read_text().startswith("method,minus,env")
     with pytest.raises(SystemExit) as exit_info:
         main(["report", "--table", str(tmp_path / "nothing")])
     assert exit_info.value.code == 2
@@ -110,11 +131,11 @@ def test_the_table_of_outcomes_reads_the_outcome_lines(runs, tmp_path, capsys):
         lines[-1]["eval/outcome"] = outcomes[-1] - 0.1  # the last line's own pre-update evaluation
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     # seed 0: before 0.3, trained 0.6, 0.4 and 0.5 -> best 0.6; seed 1: before 0.2, trained 0.4, 0.35, 0.45
-    table = results_table(runs[:2], metric="outcome")
+    table = results_table(runs[:2], "best", metric="outcome")
     assert table.cells[("igrpo", "craigslist")] == (pytest.approx(0.525), pytest.approx(0.075), 2)
     assert table.cells[("base", "craigslist")][0] == pytest.approx(0.25)
     assert table.csv().splitlines()[1] == "base,craigslist,0.250000,0.050000,2,best,outcome"
-    main(["report", "--table", *map(str, runs[:2]), "--metric", "outcome"])
+    main(["report", "--table", *map(str, runs[:2]), "--metric", "outcome", "--checkpoint", "best"])
     assert "held-out outcome, best checkpoint" in capsys.readouterr().out
     with pytest.raises(RepertoryError, match="metric must be one of discounted_return, outcome"):
         results_table(runs, metric="elo")
@@ -142,11 +163,11 @@ def test_runs_at_gamma_zero_are_tabled_by_their_outcome_and_the_table_says_why(t
         _gamma_zero_run(tmp_path, "omar-ipd-1", 1, [0.78, 0.84], 0.82),
     ]
     table = results_table(zero)
-    # best trained checkpoint per seed: 0.86 (final) and 0.84 (iteration 1); base 0.80 and 0.78
-    assert table.metric == "outcome" and table.cells[("omar", "ipd")] == (pytest.approx(0.85), pytest.approx(0.01), 2)
+    # last trained checkpoint per seed: 0.86 and 0.82 (final); base 0.80 and 0.78
+    assert table.metric == "outcome" and table.cells[("omar", "ipd")] == (pytest.approx(0.84), pytest.approx(0.02), 2)
     assert table.cells[("base", "ipd")][0] == pytest.approx(0.79)
     assert table.why == f"the outcome, not J: method.gamma is 0 in 2 of the 2 runs, and {J_IS_ZERO}"
-    assert table.csv().splitlines()[2] == "omar,ipd,0.850000,0.010000,2,best,outcome"
+    assert table.csv().splitlines()[2] == "omar,ipd,0.840000,0.020000,2,last,outcome"
     explicit = results_table(zero, metric="discounted_return")  # asked for, J it is: every cell 0
     assert (explicit.metric, explicit.why, explicit.text("omar", "ipd")) == ("discounted_return", "", "0.00 ± .00")
     # one table, one score: a single gamma-0 run makes the others' cells outcomes too
@@ -163,9 +184,51 @@ def test_report_table_at_gamma_zero_prints_the_outcome_and_why(tmp_path, capsys)
     zero = [_gamma_zero_run(tmp_path, "omar-ipd-0", 0, [0.80, 0.83], 0.86)]
     main(["report", "--table", str(zero[0])])
     printed = " ".join(capsys.readouterr().out.split())
-    assert "held-out outcome, best checkpoint" in printed and "0.86 (1 seed)" in printed and "0.80 (1 seed)" in printed
+    assert "held-out outcome, last checkpoint" in printed and "0.86 (1 seed)" in printed and "0.80 (1 seed)" in printed
     why = f"the outcome, not J: method.gamma is 0 in omar-ipd-0, and {J_IS_ZERO} (--metric discounted_return shows J)"
     assert why in printed
     main(["report", "--table", str(zero[0]), "--metric", "discounted_return"])
     printed = " ".join(capsys.readouterr().out.split())
-    assert "held-out expected discounted return, best checkpoint" in printed and "not J" not in printed
+    assert "held-out expected discounted return, last checkpoint" in printed and "not J" not in printed
+
+
+@pytest.mark.parametrize("t", [0.3, 1.0, 2.5, 4.302652729911275, 13.0])
+def test_t_p_values_match_the_closed_forms_of_one_and_two_degrees_of_freedom(t):
+    assert t_two_sided_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-12)
+    assert t_two_sided_p(-t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-12)
+
+
+def test_t_critical_values_match_the_printed_tables():
+    for df, printed in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)]:
+        assert t_critical(df) == pytest.approx(printed, abs=5e-4)
+    assert t_critical(2, 0.90) == pytest.approx(2.920, abs=5e-4)
+
+
+def test_paired_t_edges():
+    with pytest.raises(RepertoryError, match="at least 2 seeds"):
+        paired_t([0.1])
+    assert paired_t([0.2, 0.2]) == Paired(0.2, 0.0, 0.2, 0.2, 0.0, 2)  # no spread: certain, whatever the df
+    assert paired_t([0.0, 0.0, 0.0]).p == 1.0
+
+
+def test_the_bootstrap_over_games_within_seeds():
+    # every game gained: every resample's mean is above 0, so p is the smallest a run of 2,000 draws can give
+    statistic, lower, p = bootstrap_gain([[0.5, 1.0], [0.25, 0.25, 0.5]], draws=2000)
+    assert statistic == pytest.approx((0.75 + 1 / 3) / 2) and 0.25 <= lower <= statistic and p == 1 / 2001
+    assert bootstrap_gain([[0.0, 0.0], [0.0]], draws=100)[2] == 1.0  # nothing gained: every draw at 0
+    # one seed gains a lot on one game, the other loses a little on each: not significant
+    assert bootstrap_gain([[1.0, 0.0, 0.0, 0.0], [-0.1, -0.1, -0.1, -0.1]])[2] > 0.05
+    assert bootstrap_gain([[1.0, -1.0]], seed=3) == bootstrap_gain([[1.0, -1.0]], seed=3)  # seeded
+    with pytest.raises(RepertoryError, match="at least one game in every seed"):
+        bootstrap_gain([[0.1], []])
+
+
+def test_exploitability_is_decided_by_the_games_not_a_z_cut_over_two_seeds():
+    def run(seed, gains):
+        return ExploitRun(seed, "", 0.0, mean(gains), 0.5, 0.5, gains)
+
+    consistent = Exploitability("ipd", "v", 1, 8, [run(0, [0.1] * 7 + [0.0]), run(1, [0.2] * 8)], (0.5, 0.0))
+    assert consistent.exploitable and consistent.to_json()["gain_p"] < 0.001
+    # two seeds whose means (0.10 and 0.12) a 1.96 z cut calls significant, from 8 noisy games each
+    noisy = Exploitability("ipd", "v", 1, 8, [run(0, [0.8, -0.6] * 4), run(1, [0.9, -0.66] * 4)], (0.5, 0.0))
+    assert noisy.gain[0] > 1.96 * noisy.gain[1] and not noisy.exploitable

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from repertory.eval import evaluate, partner_outcome
 from repertory.models import LoadedModel
 from repertory.report import ResultsTable, results_table
 from repertory.runs import RunDir, is_run_or_checkpoint
-from repertory.stats import mean_se
+from repertory.stats import bootstrap_gain, mean_se
 from repertory.train import Trainer, check_names, resume_run, start_run
 from repertory.types import RepertoryError, derive
 
@@ -63,7 +63,8 @@ def run_suite(
     on_line: Callable[[dict[str, Any]], None] | None = None,
 ) -> ResultsTable:
     """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
-    so rerunning the suite continues it — then write ``table.md`` and ``table.csv`` into the output directory."""
+    so rerunning the suite continues it — then write ``table.md``, ``table.csv`` and ``contrasts.csv`` into the
+    output directory."""
     runs = []
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
@@ -78,8 +79,7 @@ def run_suite(
             trainer.fit(on_line)
         runs.append(run_dir)
     table = results_table(runs, metric=suite.metric)
-    Path(suite.output_dir, "table.md").write_text(table.markdown())
-    Path(suite.output_dir, "table.csv").write_text(table.csv())
+    table.write(Path(suite.output_dir))
     return table
 
 
@@ -90,9 +90,14 @@ def exploit_gain_loss(
     return exploiter_after - exploiter_before, victim_before - victim_after
 
 
+EXPLOIT_ALPHA = 0.05
+"""A victim is exploitable at a budget when its exploiters' gain is above 0 at this one-sided level."""
+
+
 @dataclass
 class ExploitRun:
-    """One exploiter seed: held-out outcomes of exploiter and victim before and after training."""
+    """One exploiter seed: held-out outcomes of exploiter and victim before and after training, and the
+    exploiter's gain in each game (the games before and after share kernels and episode seeds)."""
 
     seed: int
     run_dir: str
@@ -100,6 +105,7 @@ class ExploitRun:
     exploiter_after: float
     victim_before: float
     victim_after: float
+    game_gains: list[float] = field(default_factory=list)
 
     @property
     def gain(self) -> float:
@@ -130,10 +136,15 @@ class Exploitability:
         return mean_se([r.loss for r in self.runs])
 
     @property
+    def gain_test(self) -> tuple[float, float, float]:
+        """The mean gain, its one-sided 95% lower bound and p, by a bootstrap over games within each seed
+        (:func:`repertory.stats.bootstrap_gain`): valid for any number of exploiter seeds, one included."""
+        return bootstrap_gain([r.game_gains for r in self.runs])
+
+    @property
     def exploitable(self) -> bool:
-        """Whether the gain is significantly positive (mean above 1.96 standard errors)."""
-        mean, se = self.gain
-        return mean > 1.96 * se if len(self.runs) > 1 else mean > 0
+        """Whether these exploiters gained: the bootstrap's p below 0.05."""
+        return self.gain_test[2] < EXPLOIT_ALPHA
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,6 +159,8 @@ class Exploitability:
             "loss_se": self.loss[1],
             "victim_selfplay": self.victim_selfplay[0],
             "victim_selfplay_se": self.victim_selfplay[1],
+            "gain_lower_bound": self.gain_test[1],
+            "gain_p": self.gain_test[2],
             "exploitable": self.exploitable,
         }
 
@@ -208,6 +221,7 @@ def exploitability(
                 after.overall[0],
                 partner_outcome(before)[0],
                 partner_outcome(after)[0],
+                [a - b for a, b in zip(after.game_outcomes(), before.game_outcomes(), strict=True)],
             )
         )
     assert trainer is not None and trainer.opponent is not None

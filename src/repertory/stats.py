@@ -1,12 +1,17 @@
-"""Statistics without torch: means with exactly rounded sums, standard errors, quantiles and correlations.
+"""Statistics without torch: means with exactly rounded sums, standard errors, quantiles, correlations, paired
+t-tests over seeds and a bootstrap over games within seeds.
 
 Evaluation tables, ``repertory report --table`` and the estimators share these, so a table printed from
-metrics files needs no model code.
+metrics files needs no model code. Student's t distribution comes from mpmath's regularised incomplete beta.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import dataclass
+
+import mpmath
 
 from repertory.types import RepertoryError
 
@@ -52,7 +57,7 @@ def format_mean_se(value: float, se: float, digits: int = 2) -> str:
 
 
 def plus_minus(value: float, se: float, n: int, decimals: int | None = None) -> str:
-    """"mean ± SE" with both at the same decimals (by default three, fewer for values of 10 and 100 or more); a
+    """ "mean ± SE" with both at the same decimals (by default three, fewer for values of 10 and 100 or more); a
     mean of one value has no standard error and reads "mean (n = 1)", never "± 0"."""
     if decimals is None:
         scale = max(abs(value), abs(se)) if math.isfinite(value) and math.isfinite(se) else 0.0
@@ -100,3 +105,63 @@ def _ranks(x: list[float]) -> list[float]:
 def rank_correlation(x: list[float], y: list[float]) -> float | None:
     """Spearman's rho (Pearson on average ranks); None when either side is constant."""
     return pearson(_ranks(x), _ranks(y))
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise RepertoryError(f"a t-test needs at least 1 degree of freedom (got {df})")
+    if math.isinf(t):
+        return 0.0
+    return float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+
+
+def t_critical(df: int, level: float = 0.95) -> float:
+    """The t value that ``level`` of Student's t with ``df`` degrees of freedom lies within (two-sided)."""
+    low, high = 0.0, 1.0
+    while t_two_sided_p(high, df) > 1 - level:
+        high *= 2
+    for _ in range(80):  # bisection down to float precision
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_two_sided_p(mid, df) > 1 - level else (low, mid)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired comparison over seeds: the mean difference, its standard error, the ``level`` confidence interval
+    and the two-sided p of a t-test with seeds - 1 degrees of freedom."""
+
+    mean: float
+    se: float
+    low: float
+    high: float
+    p: float
+    seeds: int
+
+
+def paired_t(differences: list[float], level: float = 0.95) -> Paired:
+    """The t-test of per-seed differences (arm A - arm B on the same seed): mean, SE, CI and p with n - 1 degrees of
+    freedom. Differences that are all equal have SE 0: p is 1 where they are 0, else 0."""
+    n = len(differences)
+    if n < 2:
+        raise RepertoryError(f"a paired comparison needs at least 2 seeds in both arms (got {n})")
+    m, se = mean_se(differences)
+    if se == 0:
+        return Paired(m, 0.0, m, m, 1.0 if m == 0 else 0.0, n)
+    half = t_critical(n - 1, level) * se
+    return Paired(m, se, m - half, m + half, t_two_sided_p(m / se, n - 1), n)
+
+
+def bootstrap_gain(groups: list[list[float]], draws: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """A one-sided test that the mean over groups (seeds) of each group's mean (over its games) is above 0, by
+    resampling games within each group: the statistic, the 5th percentile of its bootstrap distribution, and
+    p = (1 + draws at or below 0) / (1 + draws). Seeds are held fixed, so the test asks whether these exploiters
+    gained, not whether every exploiter would."""
+    if not groups or any(not g for g in groups):
+        raise RepertoryError("a bootstrap over games needs at least one game in every seed")
+    rng = random.Random(seed)
+    statistic = mean([mean(g) for g in groups])
+    resampled = [mean([mean(rng.choices(g, k=len(g))) for g in groups]) for _ in range(draws)]
+    at_or_below = sum(x <= 0 for x in resampled)
+    return statistic, quantile(resampled, 0.05), (1 + at_or_below) / (1 + draws)

@@ -286,8 +286,12 @@ def eval_exploit(
     gain, loss, selfplay = result.gain, result.loss, result.victim_selfplay
     out.print(f"exploiter gain {gain[0]:.3f} ± {gain[1]:.3f}; victim loss {loss[0]:.3f} ± {loss[1]:.3f}")
     out.print(f"victim in self-play J_V(V vs V) {selfplay[0]:.3f} ± {selfplay[1]:.3f}")
+    _, lower, p = result.gain_test
     verdict = "exploitable" if result.exploitable else "not exploitable"
-    out.print(f"{verdict} at this budget (gain {'>' if result.exploitable else '<='} 1.96 SE; a lower bound)")
+    out.print(
+        f"{verdict} at this budget: gain > 0 at p {p:.3g} (one-sided 95% bound {lower:+.3f}; a bootstrap over "
+        "games within seeds, a lower bound on exploitability)"
+    )
 
 
 @eval_app.command("policy")

@@ -15,7 +15,11 @@ def report(
     table: bool = typer.Option(
         False, "--table", help="One table of methods x environments over the runs, instead of each run's figures."
     ),
-    checkpoint: str = typer.Option("best", "--checkpoint", help="--table: each seed's best or last checkpoint."),
+    checkpoint: str = typer.Option(
+        "last",
+        "--checkpoint",
+        help="--table: each seed's last checkpoint, or its best (selected on the held-out kernels: reads high).",
+    ),
     metric: str | None = typer.Option(
         None,
         "--metric",
@@ -52,13 +56,17 @@ def report(
         grid.add_row(method, *(result.text(method, env) for env in result.envs))
     out.print(grid)
     out.print(f"seeds per cell: {', '.join(map(str, sorted(seeds)))}")
+    if result.contrasts:
+        paired = Table(title="paired over seeds: difference of per-seed scores, t-test with seeds − 1 df")
+        for column in ("rows", "env", "difference ± SE", "95% CI", "p", "seeds"):
+            paired.add_column(column, justify="left" if column in ("rows", "env") else "right")
+        for row in result.contrast_rows():
+            paired.add_row(*row)
+        out.print(paired)
     if result.why:
         out.print(f"{result.why} (--metric discounted_return shows J)", markup=False)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "table.md").write_text(result.markdown())
-        (out_dir / "table.csv").write_text(result.csv())
-        out.print(f"wrote {out_dir / 'table.md'} and {out_dir / 'table.csv'}")
+        out.print("wrote " + ", ".join(map(str, result.write(out_dir))))
 
 
 def export(

@@ -249,7 +249,7 @@ class SuiteConfig(_Section):
     envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
-    output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv go.")
+    output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv / contrasts.csv go.")
     metric: Literal["discounted_return", "outcome"] | None = Field(
         None,
         description="The table's held-out score: the expected discounted return J at the method's discount (5.7), "

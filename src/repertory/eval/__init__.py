@@ -29,7 +29,7 @@ from repertory.eval.scores import (
 )
 from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
-from repertory.stats import mean_se
+from repertory.stats import mean, mean_se
 from repertory.types import Episode, Judge, RepertoryError
 from repertory.workers import WorkerPool, play
 
@@ -62,6 +62,15 @@ class Evaluation:
     played: list[Episode] = field(default_factory=list, repr=False)
     seats: list[list[int]] = field(default_factory=list, repr=False)
     """The seats the agent held in each played game."""
+
+    def game_outcomes(self) -> list[float]:
+        """Per game played, the mean outcome of the agent's seats, in the order of the games (those the judge
+        failed on left out): evaluations with the same seed and count pair game by game."""
+        return [
+            mean([episode.result.roles[episode.seats[s].name].outcome for s in own])
+            for episode, own in zip(self.played, self.seats)
+            if not episode.judge_failed
+        ]
 
     def to_json(self) -> dict[str, object]:
         return {
