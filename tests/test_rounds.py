@@ -953,7 +953,7 @@ def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, token
     assert table.cells[("grpo", "ipd")] == (lines["grpo"]["final/outcome"], 0.0, 1)
     grpo = load_config(str(tmp_path / "grid" / "grpo-ipd-s0" / "config.yaml"))
     assert (grpo.method.gamma, grpo.eval.episodes) == (1.0, 4)
-    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",best,outcome")
+    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",last,outcome")
 
 
 def _suite_recipe(tmp_path):
