@@ -99,6 +99,20 @@ def test_rows_joining_under_one_key_encode_their_common_prefix_once_and_sample_a
         assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
 
 
+def test_rows_of_a_key_with_little_in_common_are_encoded_one_by_one_beside_a_shared_prefix(backend, tokenizer):
+    head = tokenizer.encode("The episode so far: an offer of 300 for the bike. " * 3)
+    shared = [head + tokenizer.encode(q) for q in (" Score it.", " Rate it again.")]
+    apart = [tokenizer.encode("Alpha beta gamma delta epsilon."), tokenizer.encode("Zeta eta theta iota kappa lambda.")]
+    a, b = object(), object()
+    before = backend.stats.forward_passes
+    backend.generate([*shared, *apart], SamplingParams(max_new_tokens=2), [1, 2, 3, 4], cache_keys=[a, a, b, b])
+    passes = backend.stats.passes[before:]
+    singles = sorted(p.new_tokens for p in passes if p.rows == 1)
+    assert singles == sorted([len(head), len(apart[0]) - 1, len(apart[1]) - 1])
+    suffix_pass = next(p for p in passes if p.rows == 4)
+    assert suffix_pass.new_tokens == sum(len(x) - len(head) for x in shared) + 2  # one token for each apart row
+
+
 def test_rows_of_one_cache_key_join_side_by_side_at_the_place_of_their_shortest():
     from repertory.generation.hf import _join_order
 

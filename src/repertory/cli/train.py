@@ -170,4 +170,4 @@ def _train_suite(suite, quiet: bool) -> None:
 
     table = run_suite(suite, on_run=on_run, on_line=on_line)
     out.print(table.markdown())
-    out.print(f"wrote {suite.output_dir}/table.md and table.csv")
+    out.print(f"wrote {suite.output_dir}/table.md, table.csv and contrasts.csv")

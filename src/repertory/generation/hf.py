@@ -219,23 +219,25 @@ class HFBackend(TokenizedChoices):
         self, rows: Sequence[_Row], kept: Sequence[Hit | None], device: torch.device
     ) -> tuple[list[Hit | None], int]:
         """Rows joining together under one cache key and adapter, with no kept prefix (a judge's questions about
-        one episode), share their common prompt prefix: each group's is encoded once, one prefix a pass (unpadded,
-        so the attention is causal and skips the masked half). Where a join shares, every other row without a
-        prefix has its prompt but the last token encoded the same way: the suffix pass then feeds a few tokens a
-        row instead of padding every row to the longest whole prompt. Per row the prefix it starts from (as
-        ``KeptPrefixes.longest`` gives it, None where none), and the tokens encoded."""
+        one episode), share their common prompt prefix, encoded once, one prefix a pass (unpadded: causal). Where
+        a join shares, every other row without a prefix has its prompt but the last token encoded so too, so that
+        no whole prompt pads the suffix pass. Per row the prefix it starts from (None where none), and the tokens
+        encoded."""
         groups: dict[tuple[object, object], list[int]] = {}
         for i, (row, hit) in enumerate(zip(rows, kept)):
             if hit is None:  # identical prompts without a key are one group: the prefill copies them anyway
                 groups.setdefault((row.key if row.key is not None else tuple(row.prompt), row.adapter), []).append(i)
-        commons = {group: _common_length([rows[i].prompt for i in members]) for group, members in groups.items()}
-        sharing = any(rows[m[0]].key is not None and len(m) > 1 and commons[g] >= MIN_REUSE for g, m in groups.items())
+        heads: list[tuple[list[int], list[int]]] = []  # (tokens encoded once, the rows that start from them)
+        for members in groups.values():
+            common = _common_length([rows[i].prompt for i in members])
+            if len(members) == 1 or common >= MIN_REUSE:
+                heads.append((rows[members[0]].prompt[:common], members))
+            else:  # little in common: each row alone, so that no long suffix pads the pass
+                heads += [(rows[i].prompt[:-1], [i]) for i in members]
         shared: list[Hit | None] = [None] * len(rows)
-        if not sharing:
+        if not any(len(m) > 1 and rows[m[0]].key is not None for _, m in heads):
             return shared, 0
-        encoded = 0
-        for group, members in groups.items():
-            tokens = rows[members[0]].prompt[: commons[group]]
+        for tokens, members in heads:
             if not tokens:
                 continue
             mask = torch.ones((1, len(tokens)), dtype=torch.long, device=device)
@@ -245,8 +247,7 @@ class HFBackend(TokenizedChoices):
             prefix = Prefix(tokens, [(layer.keys[0], layer.values[0]) for layer in cache.layers])
             for i in members:
                 shared[i] = (tokens, prefix)
-            encoded += len(tokens)
-        return shared, encoded
+        return shared, sum(len(tokens) for tokens, _ in heads)
 
     def reset_cache(self) -> None:
         """Forget every kept prefix: required whenever the weights change (they would be stale)."""
