@@ -63,6 +63,14 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, token
     assert [g.response_ids for g in first] != [g.response_ids for g in other]
 
 
+def _assert_sampled_as_if_alone(backend, prompts, seeds, params, together):
+    """Each row of a batch drew the tokens and log-probs (within float noise) it draws alone."""
+    for prompt, seed, g in zip(prompts, seeds, together):
+        alone = backend.generate([prompt], params, [seed])[0]
+        assert alone.response_ids == g.response_ids
+        assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
+
+
 def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tokenizer):
     a, b = tokenizer.encode("Round 1 of 10. " * 5), tokenizer.encode("You are Bob.")
     prompts, seeds = [a, b, a, a, b], [21, 22, 23, 24, 25]
@@ -71,10 +79,7 @@ def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tok
     together = backend.generate(prompts, params, seeds)
     assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(a) + len(b)
     assert len({tuple(g.response_ids) for g in together[::2]}) > 1  # the copies of one prompt drew their own samples
-    for prompt, seed, g in zip(prompts, seeds, together):
-        alone = backend.generate([prompt], params, [seed])[0]
-        assert alone.response_ids == g.response_ids
-        assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
+    _assert_sampled_as_if_alone(backend, prompts, seeds, params, together)
 
 
 def test_rows_joining_under_one_key_encode_their_common_prefix_once_and_sample_as_if_alone(backend, tokenizer):
@@ -93,10 +98,7 @@ def test_rows_joining_under_one_key_encode_their_common_prefix_once_and_sample_a
         (1, len(prompts[3]) - 1),
     }
     assert (suffixes.rows, suffixes.new_tokens) == (4, sum(len(q) for q in questions) + 1)
-    for prompt, seed, g in zip(prompts, seeds, together):
-        alone = backend.generate([prompt], params, [seed])[0]
-        assert alone.response_ids == g.response_ids
-        assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
+    _assert_sampled_as_if_alone(backend, prompts, seeds, params, together)
 
 
 def test_rows_of_a_key_with_little_in_common_are_encoded_one_by_one_beside_a_shared_prefix(backend, tokenizer):

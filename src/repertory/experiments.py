@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,7 @@ class Exploitability:
     def loss(self) -> tuple[float, float]:
         return mean_se([r.loss for r in self.runs])
 
-    @property
+    @cached_property
     def gain_test(self) -> tuple[float, float, float]:
         """The mean gain, its one-sided 95% lower bound and p, by a bootstrap over games within each seed
         (:func:`repertory.stats.bootstrap_gain`): valid for any number of exploiter seeds, one included."""

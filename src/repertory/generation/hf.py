@@ -59,6 +59,7 @@ from repertory.generation.kvcache import (
     Prefix,
     assemble_past,
     batch_cache,
+    common_length,
     left_pad,
     left_padded,
     row_kv,
@@ -201,7 +202,7 @@ class HFBackend(TokenizedChoices):
             self._reserved[id(stream)] = tokens
         else:
             self._reserved.pop(id(stream), None)
-        self.prefixes.evict(self.budget_tokens - sum(self._reserved.values()))
+        self.prefixes.evict(self._prefix_room())
 
     def room(self, stream: DecodeStream) -> int:
         """Tokens of the budget that ``stream``'s rows in flight may fill (the other streams' taken out)."""
@@ -212,8 +213,11 @@ class HFBackend(TokenizedChoices):
     ) -> None:
         """Keep one row's keys and values (its unpadded positions) for the next turn under ``key``."""
         if key is not None and len(token_ids) <= self.prefixes.cap:
-            room = self.budget_tokens - sum(self._reserved.values())
-            self.prefixes.keep(key, Prefix(token_ids, row_kv(cache, row, mask)), room)
+            self.prefixes.keep(key, Prefix(token_ids, row_kv(cache, row, mask)), self._prefix_room())
+
+    def _prefix_room(self) -> int:
+        """Tokens of the budget that the rows in flight of every stream leave to kept prefixes."""
+        return self.budget_tokens - sum(self._reserved.values())
 
     def _encode_shared(
         self, rows: Sequence[_Row], kept: Sequence[Hit | None], device: torch.device
@@ -229,7 +233,8 @@ class HFBackend(TokenizedChoices):
                 groups.setdefault((row.key if row.key is not None else tuple(row.prompt), row.adapter), []).append(i)
         heads: list[tuple[list[int], list[int]]] = []  # (tokens encoded once, the rows that start from them)
         for members in groups.values():
-            common = _common_length([rows[i].prompt for i in members])
+            prompts = [rows[i].prompt for i in members]
+            common = common_length(prompts, min(len(p) for p in prompts) - 1)  # one token left to encode
             if len(members) == 1 or common >= MIN_REUSE:
                 heads.append((rows[members[0]].prompt[:common], members))
             else:  # little in common: each row alone, so that no long suffix pads the pass
@@ -359,15 +364,6 @@ def _join_order(prompts: Sequence[Sequence[int]], keys: Sequence[object]) -> lis
         range(len(prompts)),
         key=lambda i: (*(group[keys[i]] if keys[i] is not None else (len(prompts[i]), i)), len(prompts[i])),
     )
-
-
-def _common_length(prompts: Sequence[Sequence[int]]) -> int:
-    """The length of the prompts' common prefix, leaving every prompt at least one token to encode."""
-    limit = min(len(p) for p in prompts) - 1
-    common = 0
-    while common < limit and all(p[common] == prompts[0][common] for p in prompts):
-        common += 1
-    return common
 
 
 def _default_kv_memory_mb(device: torch.device) -> float:

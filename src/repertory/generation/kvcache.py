@@ -125,10 +125,7 @@ class KeptPrefixes:
         if key is None or key not in self._kept:
             return None
         prefix = self._kept[key]
-        limit = min(len(prefix.token_ids), len(prompt) - 1)
-        common = 0
-        while common < limit and prefix.token_ids[common] == prompt[common]:
-            common += 1
+        common = common_length([prefix.token_ids, prompt], min(len(prefix.token_ids), len(prompt) - 1))
         if common < MIN_REUSE:
             return None
         self._kept.move_to_end(key)
@@ -155,6 +152,16 @@ class KeptPrefixes:
         while self._kept and self.tokens > min(self.cap, room):
             _, evicted = self._kept.popitem(last=False)
             self.tokens -= len(evicted.token_ids)
+
+
+def common_length(sequences: Sequence[Sequence[int]], limit: int) -> int:
+    """The length of the sequences' common prefix, at most ``limit``. The common prefix of all is that of the
+    lexicographically first and last, so only those two are walked."""
+    first, last = min(sequences), max(sequences)
+    common = 0
+    while common < limit and first[common] == last[common]:
+        common += 1
+    return common
 
 
 def assemble_past(hits: Sequence[Hit | None], device: torch.device) -> tuple[DynamicCache, torch.Tensor]:
