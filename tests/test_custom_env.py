@@ -10,7 +10,7 @@ from conftest import play
 
 import repertory.envs as envs
 from repertory.envs import Env, make
-from repertory.envs.checks import check_env
+from repertory.envs.checks import EnvCheckError, check_env
 from repertory.envs.kernels import _load
 from repertory.envs.parsing import clean, last_tag
 from repertory.store import read_episodes, write_episodes
@@ -141,7 +141,8 @@ def test_custom_environment_invalid_guess_counts(registered, tmp_path):
 def test_custom_environment_passes_check_env():
     # Its bots fit one seat each, so the lineup is given.
     summary = check_env(GuessTheNumber, lineups=[("bisect", "hint")], max_steps=5)
-    assert (summary.env, summary.kernels, summary.episodes) == ("guess", 200, 10 + 50)
+    # 5 kernels of each of the three splits, then 50 fuzzed episodes
+    assert (summary.env, summary.kernels, summary.episodes) == ("guess", 300, 15 + 50)
     with pytest.raises(ValueError, match="lineup"):
         check_env(GuessTheNumber, lineups=[("bisect",)])
 
@@ -153,3 +154,42 @@ def test_generator_with_too_few_distinct_kernels_fails_clearly(monkeypatch):
     monkeypatch.setattr(GuessTheNumber, "unique_kernels", True)
     with pytest.raises(RepertoryError, match="too few distinct kernels"):
         generate_kernels(GuessTheNumber)
+
+
+class GuessWithHint(GuessTheNumber):
+    """Unique kernels from 250 distinct ones: enough for train and held-out, not for a disjoint validation split."""
+
+    name = "guess-hint"
+    unique_kernels = True
+
+    @classmethod
+    def generate_kernel(cls, rng: random.Random) -> dict[str, Any]:
+        return {"secret": rng.randint(1, 10), "hint": rng.randint(1, 25)}
+
+    @classmethod
+    def validate_kernel(cls, data: dict[str, Any]) -> list[str]:
+        hint = data.get("hint")
+        return super().validate_kernel(data) + ([] if isinstance(hint, int) else ["hint must be an integer"])
+
+
+def test_a_game_too_small_for_validation_keeps_train_and_heldout_and_says_why():
+    from repertory.envs.kernels import kernels_of
+    from repertory.types import RepertoryError
+
+    train, heldout = kernels_of(GuessWithHint, "train"), kernels_of(GuessWithHint, "heldout")
+    assert len({k.to_json() for k in train + heldout}) == 200  # as before the validation split existed
+    with pytest.raises(RepertoryError, match="too few distinct kernels for 100 in each of train, heldout, validation"):
+        kernels_of(GuessWithHint, "validation")
+    with pytest.raises(EnvCheckError, match="missing_splits"):
+        check_env(GuessWithHint, lineups=[("bisect", "hint")], episodes=0, examples=0)
+
+
+def test_a_game_may_declare_a_split_it_cannot_fill(monkeypatch):
+    from repertory.envs.kernels import kernels_of
+    from repertory.types import RepertoryError
+
+    monkeypatch.setattr(GuessWithHint, "missing_splits", {"validation": "only 250 distinct games"})
+    with pytest.raises(RepertoryError, match="guess-hint has no validation kernels: only 250 distinct games"):
+        kernels_of(GuessWithHint, "validation")
+    summary = check_env(GuessWithHint, lineups=[("bisect", "hint")], episodes=1, examples=2, max_steps=5)
+    assert (summary.kernels, summary.episodes) == (200, 2 + 2)

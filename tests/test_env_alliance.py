@@ -20,7 +20,7 @@ from repertory.envs.alliance import (
     deals,
     largest_remainder,
 )
-from repertory.types import Kernel, derive
+from repertory.types import SPLITS, Kernel, derive
 
 U_SCORES = [[30, 18, 0], [0, 12, 20], [25, 20, 10, 0], [0, 15, 5], [10, 6, 0]]
 C_SCORES = [[0, 14, 25], [0, 10, 20], [0, 15, 30, 20], [10, 5, 0], [0, 8, 15]]
@@ -350,7 +350,7 @@ def test_generation_follows_the_spec_draw_order(index):
 
 
 def test_shipped_kernels_structure_and_feasible_share():
-    kernels = load_kernels("alliance", "train") + load_kernels("alliance", "heldout")
+    kernels = [k for split in SPLITS for k in load_kernels("alliance", split)]
     shares = []
     for kernel in kernels:
         data = kernel.data

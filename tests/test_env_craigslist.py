@@ -19,7 +19,7 @@ from repertory.envs.craigslist import (
     list_price_of,
     vendor_ask,
 )
-from repertory.types import Action, Kernel
+from repertory.types import SPLITS, Action, Kernel
 
 LINES = [
     "For sale: road bike with a lightweight aluminium frame and a 21-speed drivetrain.",
@@ -428,7 +428,7 @@ def test_list_price_rounding(raw, price):
 
 
 def test_shipped_kernels_follow_the_formulas():
-    kernels = load_kernels("craigslist", "train") + load_kernels("craigslist", "heldout")
+    kernels = [k for split in SPLITS for k in load_kernels("craigslist", split)]
     for k in kernels:
         d = k.data
         assert d["target"] == (d["list_price"] * d["target_pct"] + 50) // 100

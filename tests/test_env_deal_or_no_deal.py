@@ -13,7 +13,7 @@ import pytest
 from repertory.envs import load_kernels, make
 from repertory.envs.deal_or_no_deal import DealOrNoDeal, bot
 from repertory.envs.negotiation import Standing
-from repertory.types import Kernel, canonical_json, derive
+from repertory.types import SPLITS, Kernel, canonical_json, derive
 
 ITEMS = ("books", "hats", "balls")
 EXAMPLE = {"items": list(ITEMS), "counts": [1, 2, 3], "values": {"A": [4, 0, 2], "B": [2, 4, 0]}}
@@ -280,7 +280,7 @@ def spec_kernel(rng: random.Random) -> dict[str, Any]:
 
 def test_shipped_kernels_follow_the_spec_draw_order_with_retries():
     seen: set[str] = set()
-    for split in ("train", "heldout"):
+    for split in SPLITS:  # generated in this order, each redrawing what any earlier split holds
         for i, k in enumerate(load_kernels("deal-or-no-deal", split)):
             seed, r = derive("repertory", "deal-or-no-deal", split, i), 0
             while canonical_json(data := spec_kernel(random.Random(seed))) in seen:
@@ -291,7 +291,7 @@ def test_shipped_kernels_follow_the_spec_draw_order_with_retries():
 
 
 def test_shipped_kernels_keep_the_dataset_rules():
-    kernels = load_kernels("deal-or-no-deal", "train") + load_kernels("deal-or-no-deal", "heldout")
+    kernels = [k for split in SPLITS for k in load_kernels("deal-or-no-deal", split)]
     for k in kernels:
         counts, values = k.data["counts"], k.data["values"]
         assert all(1 <= c <= 4 for c in counts) and sum(counts) in (5, 6, 7)

@@ -270,6 +270,22 @@ def test_a_user_directory_adds_scenarios_and_defines_the_kernels(tmp_path):
     assert other["bio"] in env.observe(env.roles[0])[0].content
 
 
+def test_validation_kernels_come_only_from_a_catalogue_that_marks_validation_scenarios(tmp_path):
+    with pytest.raises(RepertoryError, match="social has no validation kernels: the shipped catalogue has train"):
+        load_kernels("social", "validation")
+    for folder, split in (("mine", "validation"), ("heldout-only", "heldout")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "bike.yaml").write_text(GOOD_SCENARIO.replace("heldout", split), encoding="utf-8")
+    mine = {"scenarios": str(tmp_path / "mine")}
+    validation = load_kernels("social", "validation", mine)
+    assert len(validation) == 100 and {k.data["scenario"]["id"] for k in validation} == {"shared-bike"}
+    assert validation[0].id == "social/validation/000"
+    others = load_kernels("social", "train", mine) + load_kernels("social", "heldout", mine)
+    assert "shared-bike" not in {k.data["scenario"]["id"] for k in others}  # the pools stay disjoint
+    with pytest.raises(RepertoryError, match="have no validation scenario"):
+        load_kernels("social", "validation", {"scenarios": str(tmp_path / "heldout-only")})
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [

@@ -11,7 +11,7 @@ import pytest
 
 from repertory.envs import load_kernels, make
 from repertory.envs.ultimatum import MIN_SHARES, POOLS, STORIES, UNITS, Ultimatum, bot, minimum_of
-from repertory.types import Action, Kernel
+from repertory.types import SPLITS, Action, Kernel
 
 
 def kernel(pool: int = 100, min_share: float = 0.4, minimum: int | None = None, **changes: Any) -> Kernel:
@@ -336,8 +336,8 @@ def test_minimum_uses_the_decimal_share():
 
 
 def test_shipped_kernels():
-    kernels = load_kernels("ultimatum", "train") + load_kernels("ultimatum", "heldout")
-    assert len({(k.data["pool"], k.data["unit"], k.data["story"], k.data["min_share"]) for k in kernels}) == 200
+    kernels = [k for split in SPLITS for k in load_kernels("ultimatum", split)]
+    assert len({(k.data["pool"], k.data["unit"], k.data["story"], k.data["min_share"]) for k in kernels}) == 300
     assert {k.data["pool"] for k in kernels} == set(POOLS)
     assert {k.data["unit"] for k in kernels} == set(UNITS)
     assert {k.data["min_share"] for k in kernels} == set(MIN_SHARES)

@@ -19,7 +19,7 @@ from repertory.eval import concurrent_games
 from repertory.eval.scores import rollout_metrics
 from repertory.rollout import EpisodeSpec, agent_seats, run_episodes, schedule
 from repertory.train.batch import collect
-from repertory.types import Kernel, derive
+from repertory.types import SPLITS, Kernel, derive
 
 NAMES = ["Ava", "Ben", "Cleo", "Dev", "Eli", "Fay"]
 ROLES = ["villager", "werewolf", "seer", "witch", "werewolf", "villager"]
@@ -312,7 +312,7 @@ def test_team_seats_follow_the_kernels_deal():
 
 
 def test_kernels_are_valid_deals():
-    for kernel in load_kernels("werewolf", "train") + load_kernels("werewolf", "heldout"):
+    for kernel in [k for split in SPLITS for k in load_kernels("werewolf", split)]:
         assert sorted(kernel.data["roles"]) == sorted(ROLES) and len(set(kernel.data["names"])) == 6
     assert Werewolf.validate_kernel({"names": NAMES, "roles": ROLES[:-1] + ["seer"]})
     assert Werewolf.validate_kernel({"names": ["Ava"] * 6, "roles": ROLES})

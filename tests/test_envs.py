@@ -24,7 +24,7 @@ from repertory.agents.resolve import make_agent
 from repertory.envs import env_class, env_names, load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.rollout import EpisodeSpec, run_episodes
-from repertory.types import Kernel, derive
+from repertory.types import SPLITS, Kernel, derive
 
 ENVS = ("ipd", "split-no-comm", "trust-and-split")
 NAMES = ["Alice", "Bob"]
@@ -1030,7 +1030,7 @@ def test_arbitrary_text_never_breaks_an_episode(env_name, index, episode_seed, d
 
 
 def test_ipd_kernels_are_all_the_same_game():
-    for split in ("train", "heldout"):
+    for split in SPLITS:
         for i, k in enumerate(load_kernels("ipd", split)):
             assert k.data == {"names": ["Alice", "Bob"], "n_rounds": 10}
             assert k.seed == derive("repertory", "ipd", split, i)
@@ -1039,7 +1039,7 @@ def test_ipd_kernels_are_all_the_same_game():
 def test_snc_kernel_rounds_in_valid_configurations():
     configs = _valid_snc_configurations()
     seen = set()
-    for split in ("train", "heldout"):
+    for split in SPLITS:
         for k in load_kernels("split-no-comm", split):
             assert len(k.data["values"]) == 10
             for r in k.data["values"]:
@@ -1047,7 +1047,7 @@ def test_snc_kernel_rounds_in_valid_configurations():
                 b = tuple(r["Bob"][i] for i in ITEMS)
                 assert (a, b) in configs
                 seen.add((a, b))
-    assert seen == configs  # 2000 rounds cover all 12
+    assert seen == configs  # 3000 rounds cover all 12
 
 
 def _spec_snc(rng: random.Random) -> list:
@@ -1072,7 +1072,7 @@ def _spec_tas(rng: random.Random) -> tuple:
 def test_kernels_match_independent_spec_generation(env_name, draw):
     """Re-derive every kernel from the text of environments.md 1.5 and 3/4, retries included."""
     seen: set = set()
-    for split in ("train", "heldout"):
+    for split in SPLITS:
         for i, k in enumerate(load_kernels(env_name, split)):
             seed, r = derive("repertory", env_name, split, i), 0
             content = draw(random.Random(seed))

@@ -15,9 +15,9 @@ from repertory.stats import Paired, bootstrap_gain, mean, paired_t, t_critical, 
 from repertory.types import RepertoryError
 
 
-def _run(root, name, method, env, seed, curve, final, metric="discounted_return", extra=()):
+def _run(root, name, method, env, seed, curve, final, metric="discounted_return", extra=(), validation=None):
     """A run directory whose metrics hold the held-out ``metric`` (J) of pi_0..pi_{K-1} per iteration and pi_K as
-    final/."""
+    final/, and where given the ``validation`` scores of the trained pi_1..pi_K beside them."""
     run = root / name
     run.mkdir(parents=True)
     overrides = [f"rollout.env={env}", "rollout.opponent=bot", f"seed={seed}", *extra]
@@ -25,6 +25,9 @@ def _run(root, name, method, env, seed, curve, final, metric="discounted_return"
     (run / "config.yaml").write_text(dump_config(load_config(None, overrides)))
     lines = [{"iteration": k, f"eval/{metric}": j} for k, j in enumerate(curve)]
     lines[-1][f"final/{metric}"] = final
+    for k, score in enumerate(validation or [], start=1):
+        line = lines[k] if k < len(lines) else lines[-1]
+        line[f"eval/validation/{metric}" if k < len(lines) else f"final/validation/{metric}"] = score
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run
 
@@ -41,20 +44,43 @@ def _gamma_zero_run(root, name, seed, outcomes, final):
 
 @pytest.fixture
 def runs(tmp_path):
-    # Q5: per-seed best 0.55, 0.57, 0.53 -> 0.55 ± .01
+    # Q5: per-seed best 0.55, 0.57, 0.53 -> 0.55 ± .01 (the checkpoints the validation scores pick: 1, 2 and 3)
     return [
-        _run(tmp_path, "igrpo-0", "igrpo", "craigslist", 0, [0.10, 0.55, 0.40], 0.45),
-        _run(tmp_path, "igrpo-1", "igrpo", "craigslist", 1, [0.12, 0.30, 0.57], 0.50),
-        _run(tmp_path, "igrpo-2", "igrpo", "craigslist", 2, [0.08, 0.20, 0.30], 0.53),
-        _run(tmp_path, "kto-0", "mt-kto", "craigslist", 0, [0.10, 0.20], 0.25),
-        _run(tmp_path, "kto-u", "mt-kto", "ultimatum", 0, [0.00, 0.40], 0.30),
+        _run(tmp_path, "igrpo-0", "igrpo", "craigslist", 0, [0.10, 0.55, 0.40], 0.45, validation=[0.5, 0.4, 0.5]),
+        _run(tmp_path, "igrpo-1", "igrpo", "craigslist", 1, [0.12, 0.30, 0.57], 0.50, validation=[0.3, 0.6, 0.2]),
+        _run(tmp_path, "igrpo-2", "igrpo", "craigslist", 2, [0.08, 0.20, 0.30], 0.53, validation=[0.1, 0.2, 0.3]),
+        _run(tmp_path, "kto-0", "mt-kto", "craigslist", 0, [0.10, 0.20], 0.25, validation=[0.2, 0.1]),
+        _run(tmp_path, "kto-u", "mt-kto", "ultimatum", 0, [0.00, 0.40], 0.30, validation=[0.1, 0.3]),
     ]
 
 
 def test_run_scores_read_base_best_and_last(runs):
     scores = run_scores(runs[0])
     assert (scores.method, scores.env, scores.seed) == ("igrpo", "craigslist", 0)
-    assert (scores.base, scores.best, scores.last) == (0.10, 0.55, 0.45)
+    # validation 0.5, 0.4, 0.5 after 1, 2, 3 updates: the tie goes to the earlier checkpoint
+    assert (scores.base, scores.best, scores.last, scores.best_iteration) == (0.10, 0.55, 0.45, 1)
+
+
+def test_best_is_the_held_out_score_of_the_validation_best_checkpoint_not_the_held_out_best(tmp_path):
+    # held-out after 1, 2, 3 updates: 0.9, 0.2, 0.4; validation prefers the second
+    run = _run(tmp_path, "r", "igrpo", "craigslist", 0, [0.1, 0.9, 0.2], 0.4, validation=[0.3, 0.7, 0.5])
+    scores = run_scores(run)
+    assert (scores.best_iteration, scores.best, scores.last) == (2, 0.2, 0.4)
+    assert results_table([run], "best").cells[("igrpo", "craigslist")] == (pytest.approx(0.2), 0.0, 1)
+    final = _run(tmp_path, "f", "igrpo", "craigslist", 0, [0.1, 0.9, 0.2], 0.4, validation=[0.3, 0.7, 0.8])
+    assert (run_scores(final).best_iteration, run_scores(final).best) == (3, 0.4)  # final/validation/ is pi_3's
+
+
+def test_best_refuses_a_run_without_validation_scores_instead_of_selecting_on_held_out(tmp_path):
+    old = _run(tmp_path, "old", "igrpo", "craigslist", 0, [0.1, 0.9, 0.2], 0.4)  # written before validation
+    assert run_scores(old).best is None and run_scores(old).last == 0.4
+    with pytest.raises(RepertoryError, match=r"old: --checkpoint best selects on validation evaluations"):
+        results_table([old], "best")
+    assert results_table([old]).cells[("igrpo", "craigslist")][0] == pytest.approx(0.4)  # last still reads
+    partial = _run(tmp_path, "partial", "igrpo", "craigslist", 0, [0.1, 0.9, 0.2], 0.4, validation=[0.3])
+    assert run_scores(partial).best is None  # pi_2 and pi_3 have no validation score: no choosing among a part
+    once = _run(tmp_path, "once", "igrpo", "craigslist", 0, [0.1], 0.4)  # one trained evaluation: nothing to choose
+    assert (run_scores(once).best, run_scores(once).best_iteration) == (0.4, 1)
 
 
 def test_best_checkpoint_table_matches_q5(runs):
@@ -75,7 +101,7 @@ def test_best_checkpoint_table_matches_q5(runs):
 
 def test_last_checkpoint_table(runs):
     table = results_table(runs)
-    assert table.checkpoint == "last"  # the protocol's default: best selects on the held-out kernels
+    assert table.checkpoint == "last"  # the protocol's default
     assert table.cells[("igrpo", "craigslist")][0] == pytest.approx((0.45 + 0.50 + 0.53) / 3)
     assert table.cells[("mt-kto", "ultimatum")] == (pytest.approx(0.30), 0.0, 1)
 
@@ -129,6 +155,10 @@ def test_the_table_of_outcomes_reads_the_outcome_lines(runs, tmp_path, capsys):
         for line, value in zip(lines, outcomes):
             line["eval/outcome" if "final/discounted_return" not in line else "final/outcome"] = value
         lines[-1]["eval/outcome"] = outcomes[-1] - 0.1  # the last line's own pre-update evaluation
+        for line in lines:  # validation outcomes that rank the checkpoints as the held-out ones do
+            for when in ("eval", "final"):
+                if f"{when}/outcome" in line:
+                    line[f"{when}/validation/outcome"] = line[f"{when}/outcome"]
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     # seed 0: before 0.3, trained 0.6, 0.4 and 0.5 -> best 0.6; seed 1: before 0.2, trained 0.4, 0.35, 0.45
     table = results_table(runs[:2], "best", metric="outcome")

@@ -60,13 +60,14 @@ def test_specs_resolve_through_the_registry_without_being_listed():
 
 def test_kernels_are_deterministic_disjoint_and_valid():
     train, heldout = load_kernels(NEGOTIATION, "train"), load_kernels(NEGOTIATION, "heldout")
-    assert len(train) == len(heldout) == 100
+    validation = load_kernels(NEGOTIATION, "validation")
+    assert len(train) == len(heldout) == len(validation) == 100
     assert [k.id for k in train[:2]] == [f"{NEGOTIATION}/train/000", f"{NEGOTIATION}/train/001"]
-    assert generate_kernels(env_class(NEGOTIATION)) == {"train": train, "heldout": heldout}
-    assert all(set(k.data) == {"env_id", "num_players", "game_seed"} for k in train + heldout)
-    assert {k.data["env_id"] for k in train + heldout} == {"SimpleNegotiation-v0"}
-    seeds = [k.data["game_seed"] for k in train + heldout]
-    assert len(set(seeds)) == 200  # train and held-out games never coincide
+    assert generate_kernels(env_class(NEGOTIATION)) == {"train": train, "heldout": heldout, "validation": validation}
+    every = train + heldout + validation
+    assert all(set(k.data) == {"env_id", "num_players", "game_seed"} for k in every)
+    assert {k.data["env_id"] for k in every} == {"SimpleNegotiation-v0"}
+    assert len({k.data["game_seed"] for k in every}) == 300  # the three splits' games never coincide
     cls = env_class(NEGOTIATION)
     assert cls.validate_kernel(train[0].data) == []
     assert cls.validate_kernel({**train[0].data, "env_id": "TicTacToe-v0"}) == ["env_id must be 'SimpleNegotiation-v0'"]
@@ -237,7 +238,7 @@ def test_simple_negotiation_passes_the_episode_checks_with_bots():
 def test_conformance_checks(name):
     summary = check_env(env_class(name), episodes=1, examples=6)
     # four bot line-ups (first-option and random-option in each seat) on one kernel of each split, six fuzzed
-    assert (summary.kernels, summary.episodes) == (200, 4 * 2 + 6)
+    assert (summary.kernels, summary.episodes) == (300, 4 * 3 + 6)
 
 
 # the command line, the store, training

@@ -274,11 +274,14 @@ def is_run_or_checkpoint(path: str | Path) -> bool:
 def load_run_config(path: Path, overrides: list[str] | None = None) -> TrainConfig:
     """A run's saved ``config.yaml`` with ``overrides``. A run saved before ``model.precision`` existed trained in
     float32, which the key's default (auto) no longer gives on every CPU: it keeps float32, so that it resumes and
-    evaluates as it trained."""
+    evaluates as it trained. A run saved before ``eval.validation`` existed had no validation evaluations: it
+    resumes without them (some would leave it with too few to select on anyway)."""
     try:
         saved = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         saved = None  # load_config says what is wrong with it
     model = saved.get("model") if isinstance(saved, dict) else None
+    evaluation = saved.get("eval") if isinstance(saved, dict) else None
     legacy = [] if isinstance(model, dict) and "precision" in model else ["model.precision=float32"]
+    legacy += [] if not isinstance(evaluation, dict) or "validation" in evaluation else ["eval.validation=false"]
     return load_config(str(path), [*legacy, *(overrides or [])])

@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 ChatRole = Literal["system", "user", "assistant"]
-Split = Literal["train", "heldout"]
-SPLITS: tuple[str, ...] = ("train", "heldout")
+Split = Literal["train", "heldout", "validation"]
+SPLITS: tuple[str, ...] = ("train", "heldout", "validation")
+"""The kernel splits in generation order: training draws train kernels, checkpoints are selected on validation
+ones, and the reported numbers are held-out ones. Validation comes last so that adding it left the train and
+held-out kernels as they were."""
 
 
 def derive(*parts: object) -> int:

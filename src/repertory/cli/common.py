@@ -12,7 +12,8 @@ from rich.table import Table
 
 from repertory.agents import Agent, LMOptions
 from repertory.envs import env_class
-from repertory.types import SPLITS, RepertoryError
+from repertory.envs.kernels import check_split
+from repertory.types import RepertoryError
 
 if TYPE_CHECKING:
     from repertory.eval.scores import JudgedStats, TeamStats
@@ -43,8 +44,7 @@ def count(n: int, noun: str) -> str:
 
 
 def check_run_options(split: str, seed: int, episodes: int) -> None:
-    if split not in SPLITS:
-        raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    check_split(split)
     if seed < 0:
         raise RepertoryError(f"--seed must be a non-negative integer (got {seed})")
     if episodes < 1:

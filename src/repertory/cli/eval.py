@@ -157,7 +157,7 @@ eval_app = typer.Typer(
 
 ENV = typer.Option(None, "--env", "-e", help="Environment (default: the run's).")
 SEED = typer.Option(0, "--seed", "-s", help="Seed of kernels and sampling.")
-SPLIT = typer.Option("heldout", "--split", help="Kernel split: heldout or train.")
+SPLIT = typer.Option("heldout", "--split", help="Kernel split: heldout, validation or train.")
 AS_JSON = typer.Option(False, "--json", help="One JSON object instead of a table.")
 WORKERS = typer.Option(
     0, "--workers", help="Ray actors sharing the games, each with its own copy of the agents (0: this process)."

@@ -229,7 +229,7 @@ def play(
     agents: str | None = typer.Option(None, "--agents", "-a", help="Comma-separated agent per seat, in seat order."),
     episodes: int = typer.Option(1, "--episodes", "-n", help="Number of episodes."),
     seed: int = typer.Option(0, "--seed", "-s", help="Master seed: kernels and episode seeds derive from it."),
-    split: str = typer.Option("train", "--split", help="Kernel split: train or heldout."),
+    split: str = typer.Option("train", "--split", help="Kernel split: train, heldout or validation."),
     kernel: int | None = typer.Option(None, "--kernel", "-k", help="Play only this kernel index of the split."),
     out_dir: Path | None = typer.Option(None, "--out", help="Append the episodes to this Parquet episode store."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per episode on stdout instead of transcripts."),
@@ -322,7 +322,7 @@ def tournament(
     ),
     episodes: int = typer.Option(10, "--episodes", "-n", help="Episodes per ordered pair."),
     seed: int = typer.Option(0, "--seed", "-s", help="Master seed."),
-    split: str = typer.Option("heldout", "--split", help="Kernel split: train or heldout."),
+    split: str = typer.Option("heldout", "--split", help="Kernel split: heldout, validation or train."),
     out_dir: Path | None = typer.Option(None, "--out", help="Append all episodes to this Parquet episode store."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per environment instead of tables."),
 ) -> None:

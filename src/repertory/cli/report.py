@@ -18,7 +18,8 @@ def report(
     checkpoint: str = typer.Option(
         "last",
         "--checkpoint",
-        help="--table: each seed's last checkpoint, or its best (selected on the held-out kernels: reads high).",
+        help="--table: each seed's last checkpoint, or its best: the trained checkpoint with the highest validation "
+        "score (eval/validation/*), reported by its held-out score.",
     ),
     metric: str | None = typer.Option(
         None,
@@ -79,5 +80,3 @@ def export(
     from repertory.models.checkpoints import export_policy
 
     out.print(str(export_policy(run, out_dir, device)))
-
-

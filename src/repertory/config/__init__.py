@@ -102,6 +102,13 @@ class TrainConfig(_Section):
         return isinstance(self.method, RoundMethodConfig)
 
     @property
+    def selects_on_validation(self) -> bool:
+        """Whether the run evaluates more than one trained policy (0 < ``eval.every`` < ``iterations``), so that a
+        best one can be selected: then each of them is also evaluated on validation kernels (``eval.validation``)."""
+        evaluation = self.eval
+        return evaluation.validation and bool(evaluation.episodes) and 0 < evaluation.every < self.iterations
+
+    @property
     def evaluation_opponent(self) -> str:
         """The line-up of the held-out evaluations: ``eval.opponent``, else the rollout opponent (a pool of
         snapshots: the live policy itself), except that a fixed-seat game trained in self-play is measured

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from repertory.algos import Aggregation
 from repertory.envs import env_class, env_names, is_adapter_name, make
-from repertory.types import RepertoryError
+from repertory.types import RepertoryError, Split
 
 
 class _Section(BaseModel):
@@ -210,11 +210,19 @@ class AlgoConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Periodic held-out evaluation during training."""
+    """Periodic held-out evaluation during training, and the validation evaluations that select a checkpoint."""
 
     every: int = Field(0, ge=0, description="Evaluate every N iterations (0: only before training and at the end).")
     episodes: int = Field(16, ge=0, description="Episodes per evaluation (0 turns evaluation off).")
-    split: Literal["train", "heldout"] = Field("heldout", description="Kernel split to evaluate on.")
+    split: Split = Field(
+        "heldout", description="Kernel split of the evaluations (eval/*): train, heldout or validation."
+    )
+    validation: bool = Field(
+        True,
+        description="Where a run evaluates more than one trained policy (0 < every < iterations), also play each "
+        "of them on validation kernels (eval/validation/*), which report --checkpoint best selects on; "
+        "false saves that time where only the last checkpoint is reported.",
+    )
     opponent: str | None = Field(
         None,
         description="Line-up for evaluation; default: the rollout opponent (in negotiations trained in self-play, "

@@ -1,11 +1,11 @@
 """Environments: a registry of text games with a referee, and their shipped kernels.
 
 ``make("ipd")`` returns a fresh environment; ``env_names()`` lists what is available;
-``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split. Built-in
-games are imported on first use, so loading one game never imports the others. A new game checks
-itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``. Names with an adapter's
-prefix (``textarena:TicTacToe-v0``) resolve to classes built on demand over another library's games; they
-are not listed by ``env_names()``.
+``load_kernels("ipd", "heldout")`` returns the 100 frozen scenario instances of a split (train, heldout or
+validation). Built-in games are imported on first use, so loading one game never imports the others. A new
+game checks itself against the shared rules with ``repertory.envs.checks.check_env(MyGame)``. Names with an
+adapter's prefix (``textarena:TicTacToe-v0``) resolve to classes built on demand over another library's games;
+they are not listed by ``env_names()``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from importlib import import_module
 from typing import Any
 
 from repertory.envs.base import Bot, Env, KeyMetric, RoundGame
-from repertory.envs.kernels import generate_kernels, kernels_of, write_kernels
+from repertory.envs.kernels import check_split, generate_kernels, kernels_of, write_kernels
 from repertory.envs.phased import PhasedGame
 from repertory.types import Kernel, RepertoryError
 
@@ -104,6 +104,7 @@ def load_kernels(name: str, split: str, options: dict[str, Any] | None = None) -
     ``options`` define (a user's social scenarios), else the shipped file, or (for an environment that ships
     none) the deterministic generation."""
     cls = env_class(name)
+    check_split(split)
     if options:
         try:
             custom = cls.custom_kernels(split, options)

@@ -78,6 +78,10 @@ class Env(ABC):
     default_trained_role: ClassVar[str]
     bots: ClassVar[dict[str, Bot]] = {}
     unique_kernels: ClassVar[bool] = True
+    missing_splits: ClassVar[dict[str, str]] = {}
+    """Splits of :data:`~repertory.types.SPLITS` the game has no kernels of, each with the reason, which loading
+    one says (social: its shipped catalogue has no validation scenarios). A user's game whose generator cannot
+    fill a validation split disjoint from train and held-out names it here."""
     fixed_seat: ClassVar[bool] = False
     """True where one agent is trained and evaluated in ``default_trained_role`` against a partner
     (the negotiations); otherwise an agent facing an opponent takes every seat in turn."""
@@ -107,7 +111,7 @@ class Env(ABC):
 
     @classmethod
     def draw_kernel(cls, rng: random.Random, split: str) -> dict[str, Any]:
-        """Kernel data for ``split``; the same procedure for both splits unless a game draws from per-split pools."""
+        """Kernel data for ``split``; the same procedure for every split unless a game draws from per-split pools."""
         return cls.generate_kernel(rng)
 
     @classmethod

@@ -1,10 +1,11 @@
 """Kernels: deterministic generation from (env, split, index), and the frozen shipped files.
 
 Kernel i of split s of environment e is drawn with ``random.Random(derive("repertory", e, s, i))``;
-train kernels are generated before held-out ones, and a kernel whose game content repeats an
-earlier one is redrawn with ``derive("repertory", e, s, i, "retry", r)`` (docs/environments.md 1.5).
-The shipped ``kernels/<env>/{train,heldout}.jsonl`` files are authoritative; a test regenerates
-them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
+the splits are generated in the order of :data:`~repertory.types.SPLITS` (train, held-out, validation), and a
+kernel whose game content repeats an earlier one of any split is redrawn with
+``derive("repertory", e, s, i, "retry", r)`` (docs/environments.md 1.5), so the splits are disjoint and a split
+depends only on those before it. The shipped ``kernels/<env>/{train,heldout,validation}.jsonl`` files are
+authoritative; a test regenerates them byte for byte. Regenerate them with ``python -m repertory.envs [ENV ...]``.
 
 This module sits below the environment registry: every function takes the environment class, so
 ``repertory.envs`` (which resolves names to classes) imports it and never the other way round.
@@ -30,6 +31,7 @@ class KernelSource(Protocol):
 
     name: str
     unique_kernels: bool
+    missing_splits: dict[str, str]
 
     @classmethod
     def draw_kernel(cls, rng: random.Random, split: str) -> dict[str, Any]: ...
@@ -42,15 +44,21 @@ KERNELS_PER_SPLIT = 100
 MAX_RETRIES = 1000
 
 
+def splits_of(env: type[KernelSource]) -> tuple[str, ...]:
+    """The splits ``env`` has kernels of, in generation order: :data:`SPLITS` less its ``missing_splits``."""
+    return tuple(split for split in SPLITS if split not in env.missing_splits)
+
+
 def generate_kernels(
     env: type[KernelSource],
     n: int = KERNELS_PER_SPLIT,
     draw: Callable[[random.Random, str], dict[str, Any]] | None = None,
-    splits: tuple[str, ...] = SPLITS,
+    splits: tuple[str, ...] | None = None,
 ) -> dict[str, list[Kernel]]:
-    """``splits`` of ``env`` (by default both), ``n`` kernels each, with the uniqueness retries of 1.5; ``draw``
-    replaces ``env.draw_kernel`` (a game drawing from a catalogue of the user's)."""
+    """``splits`` of ``env`` (by default every one it has), ``n`` kernels each, with the uniqueness retries of
+    1.5; ``draw`` replaces ``env.draw_kernel`` (a game drawing from a catalogue of the user's)."""
     draw = draw or env.draw_kernel
+    splits = splits_of(env) if splits is None else splits
     seen: set[str] = set()
     out: dict[str, list[Kernel]] = {}
     for split in splits:
@@ -66,8 +74,9 @@ def generate_kernels(
                 retry += 1
                 if retry > MAX_RETRIES:
                     raise RepertoryError(
-                        f"{env.name}: kernel {split}/{i} repeats earlier content after {MAX_RETRIES} retries; "
-                        "the generator has too few distinct kernels (set unique_kernels = False if repeats are fine)"
+                        f"{env.name}: kernel {split}/{i} repeats earlier content after {MAX_RETRIES} retries; the "
+                        f"generator has too few distinct kernels for {n} in each of {', '.join(splits)} (set "
+                        "unique_kernels = False if repeats are fine, or name a split it cannot fill in missing_splits)"
                     )
                 seed = derive("repertory", env.name, split, i, "retry", retry)
             seen.add(content)
@@ -82,7 +91,7 @@ def kernel_file_text(kernels: list[Kernel]) -> str:
 
 
 def write_kernels(env: type[KernelSource], root: Path) -> list[Path]:
-    """Write ``root/<env>/{train,heldout}.jsonl`` for ``env``; returns the paths written."""
+    """Write ``root/<env>/<split>.jsonl`` for every split ``env`` has; returns the paths written."""
     paths = []
     for split, kernels in generate_kernels(env).items():
         path = root / env.name / f"{split}.jsonl"
@@ -97,13 +106,22 @@ def shipped_file(env_name: str, split: str) -> Traversable:
     return resources.files("repertory") / "kernels" / env_name / f"{split}.jsonl"
 
 
-@cache
-def _load(env: type[KernelSource], split: str) -> tuple[Kernel, ...]:
+def check_split(split: str) -> None:
+    """RepertoryError naming the splits where ``split`` is none of them."""
     if split not in SPLITS:
         raise RepertoryError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+
+
+@cache
+def _load(env: type[KernelSource], split: str) -> tuple[Kernel, ...]:
+    check_split(split)
+    if split in env.missing_splits:
+        raise RepertoryError(f"{env.name} has no {split} kernels: {env.missing_splits[split]}")
     resource = shipped_file(env.name, split)
     if not resource.is_file():
-        return tuple(generate_kernels(env)[split])
+        # the splits up to this one: a game too small for a validation split still has train and held-out kernels
+        order = splits_of(env)
+        return tuple(generate_kernels(env, splits=order[: order.index(split) + 1])[split])
     kernels = tuple(
         Kernel.from_json(line) for line in resource.read_text(encoding="utf-8").splitlines() if line.strip()
     )

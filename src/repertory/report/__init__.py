@@ -118,39 +118,77 @@ TABLE_METRICS = {"discounted_return": "held-out expected discounted return", "ou
 """The scores a results table can hold: J at the method's discount (5.7), or the mean normalised outcome."""
 
 
+NO_VALIDATION = (
+    "--checkpoint best selects on validation evaluations (eval/validation/*), and this run lacks them beside its "
+    "trained held-out ones (trained before validation kernels existed, or with eval.validation false); selecting on "
+    "held-out kernels would read high, so use --checkpoint last, or train again"
+)
+
+
 @dataclass
 class RunScores:
     """One run's held-out score (J, or the outcome): of the initial policy (``base``, evaluated before the
-    first update), of the best and of the last trained checkpoint."""
+    first update), of the last trained checkpoint, and of the best one: the trained checkpoint with the highest
+    validation score (after ``best_iteration`` updates; None where the run has no validation scores to choose by)."""
 
     run: Path
     method: str
     env: str
     seed: int
     base: float | None
-    best: float
+    best: float | None
     last: float
+    best_iteration: int | None = None
+
+    def score(self, checkpoint: str) -> float:
+        """The held-out score of the "best" or the "last" checkpoint; RepertoryError where best cannot be chosen."""
+        if checkpoint == "last":
+            return self.last
+        if self.best is None:
+            raise RepertoryError(f"{self.run}: {NO_VALIDATION}")
+        return self.best
 
 
 def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return") -> RunScores:
     """Read a run's config and metrics; the score of pi_k is ``eval/METRIC`` on iteration k's line (the
-    policy before that iteration's update) or ``final/METRIC`` after the last one."""
+    policy before that iteration's update) or ``final/METRIC`` after the last one, and its validation score
+    ``eval/validation/METRIC`` or ``final/validation/METRIC``."""
     _check_metric(metric)
     run = RunDir.existing(run_dir)
     config = load_run_config(run.config)
-    curve: dict[int, float] = {}
-    for line in read_metrics(run):
-        if f"eval/{metric}" in line:
-            curve[int(line["iteration"])] = float(line[f"eval/{metric}"])
-        if f"final/{metric}" in line:
-            curve[int(line["iteration"]) + 1] = float(line[f"final/{metric}"])
-    trained = {k: v for k, v in curve.items() if k >= 1}
+    lines = read_metrics(run)
+    held_out, validation = _curve(lines, metric), _curve(lines, f"validation/{metric}")
+    trained = {k: v for k, v in held_out.items() if k >= 1}
     if not trained:
         raise RepertoryError(
             f"{run}: no held-out evaluation of a trained checkpoint in metrics.jsonl (train with eval.episodes > 0)"
         )
-    best, last = max(trained.values()), trained[max(trained)]
-    return RunScores(run.root, config.method_name, config.rollout.env, config.seed, curve.get(0), best, last)
+    best = _best_iteration(sorted(trained), validation)
+    method, env = config.method_name, config.rollout.env
+    best_score = trained[best] if best is not None else None
+    return RunScores(run.root, method, env, config.seed, held_out.get(0), best_score, trained[max(trained)], best)
+
+
+def _best_iteration(trained: list[int], validation: dict[int, float]) -> int | None:
+    """The trained checkpoint (by updates) with the highest validation score, ties to the earlier one: chosen on
+    validation kernels alone, its held-out score stays an unbiased estimate. One trained checkpoint needs no
+    choosing; None where there are more and one of them has no validation score."""
+    if len(trained) == 1:
+        return trained[0]
+    if any(k not in validation for k in trained):
+        return None
+    return max(trained, key=lambda k: (validation[k], -k))
+
+
+def _curve(lines: list[dict[str, Any]], metric: str) -> dict[int, float]:
+    """Iteration k -> the score ``metric`` of pi_k: ``eval/METRIC`` on line k, ``final/METRIC`` on the last line."""
+    curve: dict[int, float] = {}
+    for line in lines:
+        if f"eval/{metric}" in line:
+            curve[int(line["iteration"])] = float(line[f"eval/{metric}"])
+        if f"final/{metric}" in line:
+            curve[int(line["iteration"]) + 1] = float(line[f"final/{metric}"])
+    return curve
 
 
 @dataclass
@@ -260,8 +298,9 @@ def results_table(
 ) -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J (or outcome) of each
     seed's last (or best) in-training checkpoint, mean ± SE over seeds, and the paired comparisons of its rows;
-    the base row averages the initial policies. "best" selects on the held-out kernels, so it reads high; the
-    protocol's tables use "last". Without a ``metric``, :func:`default_metric` chooses."""
+    the base row averages the initial policies. "best" is the checkpoint with the best validation score (see
+    :func:`run_scores`); a run without validation evaluations is refused. Without a ``metric``,
+    :func:`default_metric` chooses."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
     metric, why = default_metric(runs) if metric is None else (metric, "")
@@ -275,7 +314,7 @@ def results_table(
         seen[key] = s.run
     per_seed: dict[tuple[str, str], dict[int, float]] = {}
     for s in sorted(scores, key=lambda s: str(s.run)):
-        per_seed.setdefault((s.method, s.env), {})[s.seed] = s.best if checkpoint == "best" else s.last
+        per_seed.setdefault((s.method, s.env), {})[s.seed] = s.score(checkpoint)
         if s.base is not None:
             per_seed.setdefault(("base", s.env), {}).setdefault(s.seed, s.base)
     cells = {key: (*seed_summary(list(values.values())), len(values)) for key, values in per_seed.items()}

@@ -123,8 +123,10 @@ def _evaluations(lines: list[dict[str, Any]], discount: float | None) -> dict[st
     rows = []
     for line in with_final(lines):
         values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-        if discount == 0:
-            values = {k: v for k, v in values.items() if not k.startswith("discounted_return")}
+        if discount == 0:  # the validation evaluation's J too
+            values = {
+                k: v for k, v in values.items() if not k.removeprefix("validation/").startswith("discounted_return")
+            }
         if values:
             rows.append({"iteration": line["iteration"], **values})
     columns = sorted({k for row in rows for k in row if k != "iteration" and not is_standard_error(k)}, key=_eval_order)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from repertory.envs import env_class, load_kernels, make
-from repertory.envs.kernels import SPLITS
+from repertory.envs.kernels import splits_of
 from repertory.store.served import ServedTurn
 from repertory.types import Kernel, Message, RepertoryError
 
@@ -133,7 +133,7 @@ class SeatPrompt:
             raise RepertoryError(f"{env_name} has no role {role!r}; choose from {', '.join(known)}")
         self.env_name, self.role, self.options = env_name, role, env_options or {}
         self.kernels: dict[str, Kernel] = {}
-        for split in SPLITS:
+        for split in splits_of(cls):
             for kernel in load_kernels(env_name, split, self.options):
                 self.kernels[kernel.id] = kernel
         self._cache: dict[str, tuple[str, str, int]] = {}

@@ -17,7 +17,7 @@ from typing import Any
 from repertory.agents.resolve import spec_kind
 from repertory.algos.losses import get_policy_loss
 from repertory.config import TrainConfig, dump_config
-from repertory.envs import env_class
+from repertory.envs import env_class, load_kernels
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
 from repertory.models.checkpoints import export_policy
@@ -43,6 +43,11 @@ def check_names(config: TrainConfig) -> None:
         get_policy_loss(config.algo.policy_loss)
     except RepertoryError as exc:
         raise RepertoryError(f"algo.policy_loss: {exc}") from None
+    if config.selects_on_validation:  # before training, not at the first validation evaluation
+        try:
+            load_kernels(config.rollout.env, "validation", config.rollout.env_options)
+        except RepertoryError as exc:
+            raise RepertoryError(f"eval.validation: {exc}; or set eval.validation: false") from None
     line_ups = [("rollout.opponent", config.rollout.opponent)]
     if config.eval.episodes:  # a recipe's evaluation line-up may not exist in another game: named only when used
         line_ups.append(("the held-out evaluation's line-up (eval.opponent)", config.evaluation_opponent))

@@ -51,6 +51,9 @@ from repertory.types import Episode, RepertoryError, derive
 from repertory.workers import LIVE, LiveSource, LocalSampler, PoolSampler, RolloutWorker, WorkerPool
 
 TIMING_PREFIXES = ("time/", "throughput/", "memory/")
+VALIDATION_SCORES = ("outcome", "outcome_se", "discounted_return", "discounted_return_se")
+"""What a validation evaluation keeps (``eval/validation/*``): the scores a results table selects on, with
+their standard errors."""
 
 
 class Trainer:
@@ -297,17 +300,44 @@ class Trainer:
         if distributed.is_main():
             write_credit(self.run_dir.credit(iteration), batch.credit_rows())
 
-    def evaluate(self, iteration: int, keep: Path | None = None) -> dict[str, Any]:
-        """Held-out evaluation of the live policy (deterministic in seed and iteration); its games are written to
-        ``keep`` where given, marked as played at ``iteration``."""
+    def periodic_evaluation(self, iteration: int) -> dict[str, Any]:
+        """The evaluation lines due before ``iteration``'s update: ``eval/*`` at iteration 0 and every
+        ``eval.every`` iterations, and ``eval/validation/*`` beside them for the trained policies of a run that
+        selects; nothing at other iterations."""
+        every = self.config.eval.every
+        if not self.config.eval.episodes or not (iteration == 0 or (every and iteration % every == 0)):
+            return {}
+        line = self.evaluate(iteration)
+        if iteration and self.config.selects_on_validation:
+            line.update(self.validate(iteration))
+        return line
+
+    def validate(self, iteration: int) -> dict[str, Any]:
+        """The validation evaluation that ``report --checkpoint best`` selects on: the live policy on validation
+        kernels, with the held-out evaluation's line-up and number of games; only the scores a results table can
+        hold are kept."""
+        result = self.evaluate(iteration, validation=True)
+        line = {f"eval/validation/{key}": result[f"eval/{key}"] for key in VALIDATION_SCORES}
+        return {**line, "time/validation_s": result["time/eval_s"]}
+
+    def evaluate(self, iteration: int, keep: Path | None = None, validation: bool = False) -> dict[str, Any]:
+        """Evaluation of the live policy on ``eval.split`` (deterministic in the run's seed), or on validation
+        kernels with seeds of their own: sharing the held-out games' seeds, they would replay the same games where
+        a game's kernels differ in name only (IPD). Its games are written to ``keep`` where given, marked as
+        played at ``iteration``."""
         start = time.perf_counter()
         config = self.config
+        split, seed = (
+            ("validation", derive(config.seed, "validation"))
+            if validation
+            else (config.eval.split, derive(config.seed, "eval"))
+        )
         result = evaluate(
             config.rollout.env,
             self.live,
             config.eval.episodes,
-            derive(config.seed, "eval"),
-            config.eval.split,
+            seed,
+            split,
             self.eval_opponent,
             gamma=self.discount,
             env_options=config.rollout.env_options,
@@ -406,6 +436,8 @@ class Trainer:
                 done = iteration + 1
                 if done == config.iterations and config.eval.episodes and main:
                     final = self.evaluate(done, keep=self.run_dir.heldout(done))
+                    if config.selects_on_validation:
+                        final.update(self.validate(done))
                     line.update(
                         {f"final/{k.removeprefix('eval/')}": v for k, v in final.items() if k.startswith("eval/")}
                     )

@@ -31,12 +31,10 @@ class OnlineTrainer(Trainer):
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         """Rollout, estimate, update; returns the iteration's metrics line."""
-        config, algo = self.config, self.config.algo
+        algo = self.config.algo
         line: dict[str, Any] = {"iteration": iteration}
-        every = config.eval.every
-        evaluating = config.eval.episodes and (iteration == 0 or (every and iteration % every == 0))
-        if evaluating and distributed.is_main():
-            line.update(self.evaluate(iteration))
+        if distributed.is_main():
+            line.update(self.periodic_evaluation(iteration))
         if self.pool is not None and iteration % self.pool.config.snapshot_every == 0:
             if distributed.is_main():
                 self.pool.take(iteration)

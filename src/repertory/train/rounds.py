@@ -90,9 +90,9 @@ class RoundsTrainer(Trainer):
         if self.offline:
             raise RuntimeError(f"{what} while the policy improves offline (docs/algorithms.md 5.2 forbids it)")
 
-    def evaluate(self, iteration: int, keep: Path | None = None) -> dict[str, Any]:
-        self._online("a held-out evaluation")
-        return super().evaluate(iteration, keep)
+    def evaluate(self, iteration: int, keep: Path | None = None, validation: bool = False) -> dict[str, Any]:
+        self._online("an evaluation")
+        return super().evaluate(iteration, keep, validation)
 
     def deploy(self, round_index: int) -> tuple[list[LoggedTurn], list[Episode]]:
         """Round k's data: the user's logs (round 0 with ``method.logs``) or a deployment of pi_k."""
@@ -119,10 +119,9 @@ class RoundsTrainer(Trainer):
         return logged_turns([ep for ep in episodes if not ep.judge_failed], round_index, method.gamma), episodes
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
-        config, method = self.config, self.method.config
+        method = self.method.config
         line: dict[str, Any] = {"iteration": iteration, "round": iteration}
-        if config.eval.episodes and (iteration == 0 or (config.eval.every and iteration % config.eval.every == 0)):
-            line.update(self.evaluate(iteration))
+        line.update(self.periodic_evaluation(iteration))
         start = time.perf_counter()
         turns, episodes = self.deploy(iteration)
         self.backend.reset_cache()

@@ -24,7 +24,7 @@ from repertory.envs.checks.errors import PROPERTIES, EnvCheckError, short
 from repertory.envs.checks.kernels import check_kernels
 from repertory.envs.fuzz import BotError, Policy, TextFuzzer, bot_policy, default_lineups
 from repertory.envs.parsing import clean
-from repertory.types import SPLITS, Kernel, Message, Result, StepResult, derive
+from repertory.types import Kernel, Message, Result, StepResult, derive
 
 __all__ = [
     "PROBES",
@@ -101,7 +101,7 @@ def check_env(
     the first failure.
 
     Plays the first ``episodes`` kernels of each split with each bot lineup, then ``examples``
-    episodes of fuzzed text on random kernels of both splits. A lineup names a bot per seat, in seat
+    episodes of fuzzed text on random kernels of every split. A lineup names a bot per seat, in seat
     order; by default every seat the first bot, seats alternating first and last bot (both ways),
     every seat the last bot; pass ``lineups`` where bots only fit some seats. ``seed`` varies the
     episode seeds and the fuzz; ``max_steps`` bounds an episode. Returns a :class:`CheckSummary`.
@@ -114,8 +114,8 @@ def check_env(
     played = []
     for lineup in chosen:
         policy = bot_policy(lineup)
-        for split in SPLITS:
-            for i, kernel in enumerate(kernels[split][:episodes]):
+        for split, of_split in kernels.items():
+            for i, kernel in enumerate(of_split[:episodes]):
                 episode_seed = derive("check_env", seed, *lineup, split, i)
                 episode = check_episode(env_class, kernel, episode_seed, policy, max_steps=max_steps, bots_valid=True)
                 if i == 0:
@@ -123,7 +123,7 @@ def check_env(
                 played.append(episode)
     # The fuzzer borrows moves only from bots that fit the seat.
     seat_bots = {i: sorted({lineup[i] for lineup in chosen}) for i in range(len(env_class.roles))}
-    pool = kernels["train"] + kernels["heldout"]
+    pool = [kernel for of_split in kernels.values() for kernel in of_split]
     for j in range(examples):
         rng = random.Random(derive("check_env", env_class.name, seed, j))
         fuzz = TextFuzzer(rng, seat_bots)

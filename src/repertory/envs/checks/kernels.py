@@ -8,12 +8,20 @@ from typing import Any, NoReturn
 
 from repertory.envs.base import Env
 from repertory.envs.checks.errors import EnvCheckError, short
-from repertory.envs.kernels import KERNELS_PER_SPLIT, MAX_RETRIES, generate_kernels, kernel_file_text, shipped_file
-from repertory.types import SPLITS, Kernel, canonical_json, derive
+from repertory.envs.kernels import (
+    KERNELS_PER_SPLIT,
+    MAX_RETRIES,
+    generate_kernels,
+    kernel_file_text,
+    shipped_file,
+    splits_of,
+)
+from repertory.types import Kernel, canonical_json, derive
 
 
 def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
-    """The ``kernels`` property; returns both splits (the shipped files where the package has them)."""
+    """The ``kernels`` property; returns every split the game has (the shipped files where the package has them),
+    in generation order."""
     name = env_class.name
 
     def fail(detail: str) -> NoReturn:
@@ -24,7 +32,7 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
     except Exception as exc:
         raise EnvCheckError(name, "kernels", f"generating the kernels raised {exc!r}") from exc
     out: dict[str, list[Kernel]] = {}
-    for split in SPLITS:
+    for split in splits_of(env_class):
         resource = shipped_file(name, split)
         kernels = generated[split]
         if resource.is_file():
@@ -52,9 +60,11 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
             if env_class.draw_kernel(random.Random(k.seed), split) != k.data:
                 fail(f"kernel {k.id}: draw_kernel(Random(seed), {split!r}) does not give its data")
         out[split] = kernels
-    # The seed is the first draw whose content is new (docs/environments.md 1.5; train before held-out).
+    # The seed is the first draw whose content is new in any split (docs/environments.md 1.5; train, then
+    # held-out, then validation), so unique kernels never repeat across the splits either.
+    every = [k for kernels in out.values() for k in kernels]
     seen: dict[str, str] = {}
-    for k in out["train"] + out["heldout"]:
+    for k in every:
         retry = next((r for r in range(MAX_RETRIES + 1) if k.seed == _seed(name, k.split, k.index, r)), None)
         if retry is None:
             fail(f"kernel {k.id} has seed {k.seed}, neither derive('repertory', ...) nor one of its retries")
@@ -68,7 +78,6 @@ def check_kernels(env_class: type[Env]) -> dict[str, list[Kernel]]:
         if env_class.unique_kernels and earlier != k.id:
             fail(f"kernels {earlier} and {k.id} have the same content (unique_kernels is set)")
     # Fields every kernel has are required, and those never null must not be null.
-    every = out["train"] + out["heldout"]
     good = every[0].data
     required = [key for key in good if all(key in k.data for k in every)]
     broken = [("{}", {})]

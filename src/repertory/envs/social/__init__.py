@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 
 from repertory.envs.base import Bot, Env, KeyMetric
-from repertory.envs.kernels import generate_kernels
+from repertory.envs.kernels import SPLITS, generate_kernels
 from repertory.envs.parsing import PayloadError, clean, find_tags, parse_fields
 from repertory.envs.social import catalogue
 from repertory.envs.social.catalogue import RELATIONSHIPS, FieldSpec
@@ -94,12 +94,11 @@ def _draw(cat: catalogue.Catalogue, rng: random.Random, split: str) -> dict[str,
 
 @cache
 def _user_kernels(directory: str, with_builtin: bool) -> dict[str, list[Kernel]]:
-    """Both splits' kernels of a user's catalogue; a split without scenarios has none (asking for it is an error).
-    The splits' pools are disjoint, so drawing one split alone gives the same kernels as drawing both."""
+    """Every split's kernels of a user's catalogue, none for a split without scenarios (the pools are disjoint)."""
     cat = catalogue.load(directory, with_builtin)
-    splits = tuple(s for s in ("train", "heldout") if cat.pool(s))
+    splits = tuple(s for s in SPLITS if cat.pool(s))
     kernels = generate_kernels(Social, draw=lambda rng, split: _draw(cat, rng, split), splits=splits)
-    return {split: kernels.get(split, []) for split in ("train", "heldout")}
+    return {split: kernels.get(split, []) for split in SPLITS}
 
 
 def agreeable(view: dict[str, Any]) -> str:
@@ -151,6 +150,10 @@ class Social(Env):
     role_labels = ("agent", "agent", "agent")
     default_trained_role = "p0"
     scored_by_label = True
+    missing_splits: ClassVar[dict[str, str]] = {
+        "validation": "the shipped catalogue has train and held-out scenarios only, none for a disjoint validation "
+        "split; give a scenarios directory (env_options scenarios: DIR) with scenarios marked split: validation"
+    }
     bots: ClassVar[dict[str, Bot]] = {"agreeable": agreeable, "quiet": quiet}
     key_metric = KeyMetric("goal_verified", "goals met", "it meets its goal more often", "it meets its goal less often")
 

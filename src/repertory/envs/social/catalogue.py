@@ -136,7 +136,7 @@ class Scenario(_Strict):
 
     id: str = Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$")
     category: Literal["cooperative", "competitive", "mixed"]
-    split: Literal["train", "heldout"] = "train"
+    split: Literal["train", "heldout", "validation"] = "train"
     relationship: int = Field(ge=0, le=5)
     text: str = Field(min_length=1)
     slots: list[Slot] = Field(min_length=2, max_length=3)
