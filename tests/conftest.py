@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,18 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 def tiny_checkpoint(directory: Path, tokenizer: PreTrainedTokenizerBase, seed: int) -> Path:
     """A tiny random model saved as a Hugging Face checkpoint directory (for ``--model`` and ``model.name``)."""
     return save_checkpoint(tiny_model(tokenizer, seed=seed).model, tokenizer, directory)
+
+
+@pytest.fixture(scope="session")
+def compiled_kernels():
+    """The decode-attention ops, built once into the default cache and shared by every test (and later runs):
+    ``(decode_attention, paged_decode_attention)``; skipped without a C++ compiler."""
+    from repertory.models.decode import SWITCH, decode_kernel, paged_kernel
+
+    if shutil.which(shlex.split(os.environ.get("CXX") or "c++")[0]) is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(SWITCH, raising=False)
+        ops = decode_kernel(), paged_kernel()
+    assert None not in ops, "the kernel failed to build or load (see the logged reason)"
+    return ops

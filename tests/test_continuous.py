@@ -11,6 +11,7 @@ from repertory.agents.lm import LMAgent
 from repertory.envs import env_class, load_kernels
 from repertory.generation import SamplingParams
 from repertory.generation.hf import HFBackend
+from repertory.generation.kvcache import PAGE
 from repertory.models import load_tokenizer, tiny_model
 from repertory.rollout import EpisodeSpec, run_episodes, schedule
 from repertory.types import RepertoryError
@@ -130,28 +131,36 @@ def test_the_partner_guard_resamples_through_a_batch_in_flight(mode):
     assert all(ep.metrics["guard/resampled"] >= 2 for ep in streamed)
 
 
-def test_rows_in_flight_stay_within_the_memory_budget(tokenizer):
+@pytest.mark.parametrize("paged", [False, True])
+def test_rows_in_flight_stay_within_the_memory_budget(tokenizer, paged):
     loaded = tiny_model(tokenizer, layers=2, hidden=96, heads=6, kv_heads=2, seed=5)
-    unbounded = HFBackend(loaded)
+    unbounded = HFBackend(loaded, paged=paged)
+    assert unbounded.paged_cache == paged
     per_token = unbounded.token_bytes  # 2 layers x 2 key/value heads x 16 x 2 (keys, values) x 4 bytes = 512
     assert per_token == 512
     prompts = [tokenizer.encode(f"row {i} " * 10) for i in range(8)]
     params = SamplingParams(max_new_tokens=8)
     longest = max(len(p) for p in prompts) + params.max_new_tokens
-    # room for three padded rows at most
-    tight = HFBackend(loaded, kv_memory_mb=3.5 * longest * per_token / 2**20)
+    # room for three rows at most: padded to the longest, or a page each
+    tight = HFBackend(loaded, kv_memory_mb=3.5 * (PAGE if paged else longest) * per_token / 2**20, paged=paged)
     out = tight.generate(prompts, params, seeds=list(range(8)))
     assert max(p.rows for p in tight.stats.passes) == 3
     free = unbounded.generate(prompts, params, seeds=list(range(8)))
     assert [g.response_ids for g in out] == [g.response_ids for g in free]
     assert max(p.rows for p in unbounded.stats.passes) == 8
+    if paged:
+        assert tight.pages().free == 3  # every row's pages given back (no key: none kept)
 
 
-def test_a_budget_too_small_for_one_row_is_a_one_line_error(tokenizer):
-    backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0.01)
+@pytest.mark.parametrize(
+    "paged,need",
+    [(False, r"44 \(36 of prompt and 8 to generate\)"), (True, r"128 \(36 .* generate, in whole pages of 128\)")],
+)
+def test_a_budget_too_small_for_one_row_is_a_one_line_error(tokenizer, paged, need):
+    backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0.01 if not paged else 0.05, paged=paged)
+    fit = backend.budget_tokens
     with pytest.raises(
-        RepertoryError,
-        match=r"kv_memory_mb: 20 tokens .* one row needs 44 \(36 of prompt and 8 to generate\); raise kv_memory_mb",
+        RepertoryError, match=rf"kv_memory_mb: {fit} tokens .* one row needs {need}; raise kv_memory_mb"
     ) as e:
         backend.generate([tokenizer.encode("x " * 35)], SamplingParams(max_new_tokens=8), seeds=[0])
     assert "\n" not in str(e.value)
@@ -165,8 +174,8 @@ def test_kept_prefixes_share_the_budget_with_rows_in_flight(tokenizer):
     prompts = [tokenizer.encode(f"seat {i} speaks. " * 8) for i in range(6)]
     backend.generate(prompts, params, seeds=list(range(6)), cache_keys=[("k", i) for i in range(6)])
     assert 0 < backend.prefixes.tokens <= backend.budget_tokens
-    kept = sum(len(p.token_ids) for p in backend.prefixes.values())
-    assert kept == backend.prefixes.tokens
+    kept = sum(p.size for p in backend.prefixes.values())  # whole pages: 1 of 128 tokens a ~40-token chat
+    assert kept == backend.prefixes.tokens == PAGE * len(backend.prefixes.values())
     stream = backend.stream(params)
     stream.add(tokenizer.encode("a long new prompt " * 40), 0)
     stream.step()  # a row in flight claims its room: the kept prefixes shrink to what is left

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shlex
-import shutil
 
 import pytest
 import torch
@@ -27,15 +24,8 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    """The compiled kernel, built once into the default cache and shared by every test (and later runs)."""
-    if shutil.which(shlex.split(os.environ.get("CXX") or "c++")[0]) is None:
-        pytest.skip("no C++ compiler: the kernel cannot be built here")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(SWITCH, raising=False)
-        op = decode_kernel()
-    assert op is not None, "the kernel failed to build or load (see the logged reason)"
-    return op
+def kernel(compiled_kernels):
+    return compiled_kernels[0]
 
 
 def cache(rows: int, kv_heads: int, tokens: int, dim: int, room: int = 37) -> torch.Tensor:
@@ -219,9 +209,10 @@ def tokenizer():
     return load_tokenizer()
 
 
-def _sample(tokenizer, loaded, temperature: float) -> list[list[int]]:
+def _sample(tokenizer, loaded, temperature: float, paged: bool = False) -> list[list[int]]:
     """Two rounds of generation where the second reuses the first's prompts as kept prefixes (holes in the mask)."""
-    backend = HFBackend(loaded, prefix_cache_tokens=4096)
+    backend = HFBackend(loaded, prefix_cache_tokens=4096, paged=paged)
+    assert backend.paged_cache == paged
     params = SamplingParams(temperature=temperature, max_new_tokens=24)
     texts = ("Hi", "Round 1 of 10. " * 9, "You are Alice. " * 3, "x " * 40)
     prompts = [tokenizer.encode(text) for text in texts]
@@ -238,15 +229,20 @@ def _sample(tokenizer, loaded, temperature: float) -> list[list[int]]:
 def test_a_tiny_model_samples_the_same_tokens_with_the_kernel_on_and_off(
     kernel, tokenizer, monkeypatch, heads, kv_heads, hidden, temperature
 ):
+    """The kernel over one padded tensor, the kernel over pages and SDPA sample the same tokens."""
     loaded = tiny_model(tokenizer, layers=2, hidden=hidden, heads=heads, kv_heads=kv_heads, seed=3)
     calls = []
     monkeypatch.setattr(decode, "decode_kernel", lambda: lambda *args: calls.append(1) or kernel(*args))
     on = _sample(tokenizer, loaded, temperature)
     assert calls  # the decode steps went through the kernel
+    pages = decode.paged_kernel()
+    monkeypatch.setattr(decode, "paged_kernel", lambda: lambda *args: calls.append(2) or pages(*args))
+    paged = _sample(tokenizer, loaded, temperature, paged=True)
+    assert 2 in calls
     monkeypatch.undo()
     monkeypatch.setenv(SWITCH, "0")
     off = _sample(tokenizer, loaded, temperature)
-    assert on == off
+    assert on == paged == off
 
 
 def test_bench_attention_times_sdpa_and_the_kernel(kernel, capsys):

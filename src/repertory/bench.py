@@ -159,6 +159,14 @@ def roofline_seconds(passes: Iterable[ForwardPass], cost: PassCost, bandwidth: f
     )
 
 
+BENCH_ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
+    "hf": ("hf", {}),
+    "hf-padded": ("hf", {"paged": False}),  # one left-padded cache: the path the pages replace
+    "vllm": ("vllm", {}),
+}
+"""The engines ``bench rollout`` runs, by name: a backend and its engine arguments."""
+
+
 def _specs(config: RolloutBenchConfig, agent: Any) -> list[EpisodeSpec]:
     return [spec for env in config.envs for spec in schedule(env, [agent, agent], config.episodes, config.seed)]
 
@@ -169,7 +177,8 @@ def _engine_run(
     """Start the ``kind`` engine on ``loaded``, play the episodes with it, close it; its numbers, with the roofline
     of its forward passes when it records them (else None)."""
     start = time.perf_counter()
-    backend = make_backend(kind, loaded, **({"precision": config.precision} if kind == "hf" else {}))
+    engine, options = BENCH_ENGINES[kind]
+    backend = make_backend(engine, loaded, **({"precision": config.precision, **options} if engine == "hf" else {}))
     start_s = time.perf_counter() - start
     params = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens)
     agent = LMAgent(backend, "model", params, constrained=False, seed=config.seed)

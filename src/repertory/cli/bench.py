@@ -23,7 +23,11 @@ def bench_rollout(
     seed: int = typer.Option(0, "--seed", "-s", help="Master seed."),
     naive: bool = typer.Option(True, "--naive/--no-naive", help="Also run the naive per-turn generate() baseline."),
     backend: list[str] | None = typer.Option(
-        None, "--backend", "-b", help="Generation engine(s), each on the same episodes: hf (default), vllm."
+        None,
+        "--backend",
+        "-b",
+        help="Generation engine(s), each on the same episodes: hf (default; paged cache), hf-padded (one left-padded "
+        "cache), vllm.",
     ),
     precision: str = typer.Option(
         "float32", "--precision", help="The hf engine's linear layers: float32 (exact) or bfloat16 (CPU, faster)."
@@ -32,8 +36,7 @@ def bench_rollout(
 ) -> None:
     """Batched multi-role rollout per engine against per-turn generate() calls, the matmul limit and the roofline
     (memory bandwidth and matmul throughput, pass by pass)."""
-    from repertory.bench import RolloutBenchConfig, rollout_benchmark
-    from repertory.generation import BACKENDS
+    from repertory.bench import BENCH_ENGINES, RolloutBenchConfig, rollout_benchmark
     from repertory.models import load_model
     from repertory.models.linear import PRECISIONS
 
@@ -41,9 +44,10 @@ def bench_rollout(
     for name in names:
         env_class(name)
     engines = tuple(dict.fromkeys(backend or ["hf"]))
-    unknown = [kind for kind in engines if kind not in BACKENDS]
+    unknown = [kind for kind in engines if kind not in BENCH_ENGINES]
     if unknown:
-        raise RepertoryError(f"--backend: unknown generation backend {unknown[0]!r}; known: {', '.join(BACKENDS)}")
+        known = ", ".join(BENCH_ENGINES)
+        raise RepertoryError(f"--backend: unknown generation backend {unknown[0]!r}; known: {known}")
     check_run_options("train", seed, episodes)
     lm_options(model, 1.0, 1.0, max_new_tokens, False, seed)
     if precision not in PRECISIONS:

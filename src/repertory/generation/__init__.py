@@ -15,7 +15,7 @@ from repertory.generation.core import Backend, Generation, GenerationStats, Samp
 from repertory.models import LoadedModel
 from repertory.types import RepertoryError
 
-HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision")
+HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision", "paged")
 
 
 def engine_options(kind: str, options: dict[str, Any], precision: str = "float32") -> dict[str, Any]:

@@ -35,14 +35,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from repertory.generation.core import (
-    ENOUGH_EVERY,
     SYNCED,
     Generation,
     GenerationStats,
@@ -54,47 +52,26 @@ from repertory.generation.core import (
 )
 from repertory.generation.kvcache import (
     MIN_REUSE,
+    PAGE,
     Hit,
     KeptPrefixes,
+    Pages,
     Prefix,
-    assemble_past,
     batch_cache,
     common_length,
-    left_pad,
-    left_padded,
     row_kv,
 )
-from repertory.models import LoadedModel, kv_bytes_per_token
+from repertory.generation.stream import DecodeStream, PagedStream, Row
+from repertory.models import LoadedModel, attention_shape, kv_bytes_per_token
 from repertory.models.adapters import BASE_ROW, per_row_adapters
+from repertory.models.attention import ATTENTION
+from repertory.models.decode import paged_kernel
 from repertory.models.linear import PRECISIONS, free_reduced_copies, sampling_precision
 from repertory.types import RepertoryError
 
+PAGED_MODELS = ("llama",)  # architectures whose every layer attends through repertory's attention, in full
 CPU_KV_MEMORY_MB = 2048  # keys and values in flight plus kept prefixes, on a CPU (docs/design.md, Memory)
 GPU_KV_SHARE = 0.25  # of the device's memory, on a GPU
-REBUILD_SHARE = 0.25  # rows leaving plus joining, of the rows in flight, that make a batch rebuild worth its copy
-
-
-@dataclass
-class _Row:
-    """One continuation being sampled: what it was asked, and what it produced so far."""
-
-    ticket: int
-    prompt: list[int]
-    rng: torch.Generator
-    node: TokenTrie | None
-    key: object
-    enough: Callable[[str], bool] | None
-    budget: int
-    """The most tokens it can generate: max_new_tokens, or less under a constraint whose answers are shorter."""
-    tokens: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    finish: str = "length"
-    chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass (none once done)
-    done: bool = False
-    adapter: object = SYNCED  # the policy version that samples it (see ``HFBackend.generate``)
-
-    def generation(self) -> Generation:
-        return Generation(self.tokens, self.logps, self.finish)
 
 
 class HFBackend(TokenizedChoices):
@@ -107,12 +84,14 @@ class HFBackend(TokenizedChoices):
         max_batch: int | None = None,
         prefix_cache_tokens: int | None = None,
         precision: str = "float32",
+        paged: bool = True,
     ):
         """``kv_memory_mb`` bounds keys and values in flight plus kept prefixes (default: 2 GiB on a CPU, a
         quarter of a GPU); ``max_batch`` caps the rows in flight besides; ``prefix_cache_tokens`` caps the kept
         prefixes below what the budget leaves them (0: keep none); ``precision`` "bfloat16" runs the linear
         layers of a float32 CPU model through bfloat16 weight copies (faster, not exact; see
-        :mod:`repertory.models.linear`)."""
+        :mod:`repertory.models.linear`); ``paged`` False keeps every stream's rows in one left-padded tensor
+        (the path before pages, for comparisons)."""
         self.loaded = loaded
         self.model = loaded.model
         self.peft = loaded.peft
@@ -125,6 +104,8 @@ class HFBackend(TokenizedChoices):
             known = ", ".join(PRECISIONS)
             raise RepertoryError(f"rollout.engine_args: precision must be one of {known}, not {precision!r}")
         self.precision = precision
+        self.paged = paged
+        self._pages: Pages | None = None
         self.budget_tokens = int(memory_mb * 2**20) // self.token_bytes
         self.max_batch = max_batch
         self.prefixes = KeptPrefixes(self.budget_tokens if prefix_cache_tokens is None else prefix_cache_tokens)
@@ -143,8 +124,31 @@ class HFBackend(TokenizedChoices):
         return end_of_turn_id(self.tokenizer, self.stop_ids)
 
     def stream(self, params: SamplingParams, adapter: object = SYNCED) -> DecodeStream:
-        """A stream of rows sampled with ``params`` by the policy version ``adapter`` names (see ``generate``)."""
-        return DecodeStream(self, params, adapter)
+        """A stream of rows sampled with ``params`` by the policy version ``adapter`` names (see ``generate``):
+        paged where it can be (see :mod:`repertory.generation.stream`)."""
+        return (PagedStream if self.paged_cache else DecodeStream)(self, params, adapter)
+
+    @property
+    def paged_cache(self) -> bool:
+        """Whether streams hold their rows in pages: asked for, on a CPU, a float32 Llama-architecture model that
+        runs repertory's attention, and the decode kernel loaded."""
+        config = self.model.config
+        return (
+            self.paged
+            and self.loaded.device.type == "cpu"
+            and next(self.model.parameters()).dtype == torch.float32
+            and getattr(config, "model_type", None) in PAGED_MODELS
+            and getattr(config, "_attn_implementation", None) == ATTENTION
+            and paged_kernel() is not None
+        )
+
+    def pages(self) -> Pages:
+        """The pages every paged stream's rows and the kept prefixes hold: the whole budget, allocated once."""
+        if self._pages is None:
+            layers, _, kv_heads, head_dim = attention_shape(self.model.config)
+            self._pages = Pages(layers, kv_heads, head_dim, self.budget_tokens // PAGE, torch.float32)
+            self._pages.reclaim = self.prefixes.evict_one
+        return self._pages
 
     def generate(
         self,
@@ -220,7 +224,7 @@ class HFBackend(TokenizedChoices):
         return self.budget_tokens - sum(self._reserved.values())
 
     def _encode_shared(
-        self, rows: Sequence[_Row], kept: Sequence[Hit | None], device: torch.device
+        self, rows: Sequence[Row], kept: Sequence[Hit | None], device: torch.device
     ) -> tuple[list[Hit | None], int]:
         """Rows joining together under one cache key and adapter, with no kept prefix (a judge's questions about
         one episode), share their common prompt prefix, encoded once, one prefix a pass (unpadded: causal). Where
@@ -270,8 +274,10 @@ class HFBackend(TokenizedChoices):
         """Nothing to free: the backend runs the learner's own module."""
 
     def close(self) -> None:
-        """Release the kept prefixes and any reduced-precision weight copies (the weights belong to the caller)."""
+        """Release the kept prefixes, the pages and any reduced-precision weight copies (the weights belong to the
+        caller)."""
         self.reset_cache()
+        self._pages = None
         free_reduced_copies(self.model)
 
     def _forced(self, node: TokenTrie | None, budget: int) -> list[int]:
@@ -293,14 +299,17 @@ class HFBackend(TokenizedChoices):
         cache: DynamicCache,
         keep: int = 1,
         adapters: Sequence[object] = (),
+        **extra: Any,
     ) -> tuple[torch.Tensor, DynamicCache]:
         """Logits of the last ``keep`` positions (float32, [batch, keep, vocab]) and the updated KV cache; row i
-        sampled by the version ``adapters[i]`` names (none given: the synced policy)."""
-        # the pass's workload without padding, which the rollout benchmark's roofline prices
-        new = mask[:, -input_ids.shape[1] :].sum(1)
-        context = mask.sum(1) - new
-        attended = new * context + new * (new + 1) // 2
-        self.stats.record_forward(len(input_ids), *torch.stack([new.sum(), context.sum(), attended.sum()]).tolist())
+        sampled by the version ``adapters[i]`` names (none given: the synced policy); ``extra`` goes to the model
+        (and on to its attention). A 2-D ``mask`` is recorded as the pass's workload; a paged pass records its
+        own."""
+        if mask.dim() == 2:  # the pass's workload without padding, which the rollout benchmark's roofline prices
+            new = mask[:, -input_ids.shape[1] :].sum(1)
+            context = mask.sum(1) - new
+            attended = new * context + new * (new + 1) // 2
+            self.stats.record_forward(len(input_ids), *torch.stack([new.sum(), context.sum(), attended.sum()]).tolist())
         with sampling_precision(self.precision), self._sampling_with(adapters):
             output = self.model(
                 input_ids=input_ids,
@@ -309,6 +318,7 @@ class HFBackend(TokenizedChoices):
                 use_cache=True,
                 logits_to_keep=keep,
                 **{self._cache_kwarg: cache},
+                **extra,
             )
         new_cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         return output.logits[:, -keep:, :].float(), new_cache
@@ -370,227 +380,3 @@ def _default_kv_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory * GPU_KV_SHARE / 2**20
     return CPU_KV_MEMORY_MB
-
-
-class DecodeStream:
-    """Rows of one sampling setting and one policy version, decoded together; rows join between two steps and
-    leave when they finish. ``add`` queues a row and returns its ticket; each ``step`` admits the queued rows
-    that fit the memory budget, samples one token (with the tokens a constraint forces after it) for every row
-    in flight and returns the rows that finished, by ticket.
-
-    Rebuilding the batch's cache copies every row's keys and values, as much memory traffic as a decode step
-    reads. So a finished row stays in the batch, masked out, and queued rows wait, until rows leaving plus
-    rows joining reach a quarter of the rows in flight (:data:`REBUILD_SHARE`): then one rebuild drops the one
-    and admits the other."""
-
-    def __init__(self, backend: HFBackend, params: SamplingParams, adapter: object = SYNCED):
-        self.backend, self.params, self.adapter = backend, params, adapter
-        self.waiting: list[_Row] = []
-        self.rows: list[_Row] = []  # the cache's batch, in order; finished rows stay until the next rebuild
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [rows, cached columns]: 1 for a real token
-        self.last_pos = torch.zeros(0, dtype=torch.long)  # each row's position of its last fed token
-        self.logits = torch.zeros(0)  # each row's next-token logits
-        self._tickets = 0
-
-    @property
-    def busy(self) -> bool:
-        """Whether rows are queued or in flight."""
-        return bool(self.waiting) or self._live
-
-    @property
-    def _live(self) -> bool:
-        return any(not r.done for r in self.rows)
-
-    def add(
-        self,
-        prompt: Sequence[int],
-        seed: int,
-        constraint: TokenTrie | None = None,
-        key: object = None,
-        enough: Callable[[str], bool] | None = None,
-        adapter: object = SYNCED,
-    ) -> int:
-        """Queue a row (see ``HFBackend.generate`` for the arguments; ``adapter`` SYNCED: the stream's); its
-        ticket names it in ``step``'s results."""
-        budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
-        need = len(prompt) + budget
-        if need > self.backend.budget_tokens:
-            raise RepertoryError(
-                f"rollout.engine_args.kv_memory_mb: {self.backend.budget_tokens} tokens of keys and values fit "
-                f"({self.backend.token_bytes} bytes a token), but one row needs {need} ({len(prompt)} of prompt and "
-                f"{budget} to generate); raise kv_memory_mb or lower max_new_tokens"
-            )
-        self._tickets += 1
-        rng = torch.Generator().manual_seed(seed % 2**63)
-        chosen = self.adapter if adapter is SYNCED else adapter
-        self.waiting.append(_Row(self._tickets, list(prompt), rng, constraint, key, enough, budget, adapter=chosen))
-        return self._tickets
-
-    @torch.no_grad()
-    def step(self) -> list[tuple[int, Generation]]:
-        """Admit what fits, sample one token per row in flight, feed it; the rows that finished."""
-        self._admit()
-        if not self._live:
-            return []
-        finished = self._sample()
-        if self._live:
-            self._decode()
-        elif not self.waiting:  # idle: the batch's memory goes back to the budget
-            self.rows, self.cache = [], None
-            self.backend._reserve(self, 0)
-        return finished
-
-    def _need(self, rows: Sequence[_Row]) -> int:
-        """Tokens a padded batch of ``rows`` may fill: each as long as the longest prompt plus the largest budget.
-        A constrained row's budget is its longest answer, not max_new_tokens: reserving 400 tokens for a 6-token
-        move would evict the kept prefixes of a large batch, and every chat would be prefilled again each turn."""
-        if not rows:
-            return 0
-        return len(rows) * (max(len(r.prompt) for r in rows) + max(r.budget for r in rows))
-
-    def _admit(self) -> None:
-        """Rebuild the batch when enough rows leave or can join: finished rows out, the queued rows that fit in."""
-        live = [i for i, r in enumerate(self.rows) if not r.done]
-        kept = [self.rows[i] for i in live]
-        room, cap = self.backend.room(self), self.backend.max_batch
-        joining: list[_Row] = []
-        while self.waiting and (cap is None or len(kept) + len(joining) < cap):
-            if self._need([*kept, *joining, self.waiting[0]]) > room:
-                break
-            joining.append(self.waiting.pop(0))
-        if len(self.rows) - len(live) + len(joining) < max(1, REBUILD_SHARE * len(live)):
-            self.waiting[:0] = joining
-            return
-        if len(live) < len(self.rows):
-            self._select(live)
-        if joining:
-            self._join(joining)
-        self.backend._reserve(self, self._need(self.rows))
-
-    def _join(self, joining: list[_Row]) -> None:
-        self.backend.stats.calls += 1
-        cache, mask, last_pos, logits = self._prefill(joining)
-        if self.cache is None or not self.rows:
-            self.cache, self.mask, self.last_pos, self.logits = cache, mask, last_pos, logits
-        else:
-            for mine, theirs in zip(self.cache.layers, cache.layers):
-                mine.join(theirs)
-            width = max(self.mask.shape[1], mask.shape[1])
-            self.mask = torch.cat([left_pad(self.mask, width), left_pad(mask, width)])
-            self.last_pos = torch.cat([self.last_pos, last_pos])
-            self.logits = torch.cat([self.logits, logits])
-        self.rows += joining
-
-    def _prefill(self, rows: list[_Row]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Encode the joining rows' prompts (each distinct prompt once, after its kept or shared prefix): their
-        cache, mask, last positions and next-token logits."""
-        backend, device = self.backend, self.backend.loaded.device
-        kept = [backend.prefixes.longest(r.key, r.prompt) for r in rows]
-        for row, hit in zip(rows, kept):
-            if hit:  # the row carries these keys and values now; its finish keeps the longer chat
-                backend.prefixes.forget(row.key)
-        shared, shared_encoded = backend._encode_shared(rows, kept, device)
-        reused = [k or s for k, s in zip(kept, shared)]
-        distinct: dict[tuple[tuple[int, ...], int, object], int] = {}
-        source = [
-            distinct.setdefault((tuple(r.prompt), len(u[0]) if u else 0, r.adapter), i)
-            for i, (r, u) in enumerate(zip(rows, reused))
-        ]
-        encoded = sorted(set(source))
-        cache, past_mask = assemble_past([reused[i] for i in encoded], device)
-        suffixes = [rows[i].prompt[len(reused[i][0]) if reused[i] else 0 :] for i in encoded]
-        input_ids, suffix_mask = left_padded(suffixes, backend.tokenizer.pad_token_id)
-        width = input_ids.shape[1]
-        mask = torch.cat([past_mask, suffix_mask], dim=1).to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-        backend.stats.prompt_tokens += sum(len(r.prompt) for r in rows)
-        backend.stats.reused_prompt_tokens += sum(len(u[0]) for u in kept if u)
-        backend.stats.shared_prompt_tokens += (
-            sum(len(rows[i].prompt) for i in range(len(rows)) if source[i] != i)
-            + sum(len(shared[i][0]) for i in encoded if shared[i])  # type: ignore[index]
-            - shared_encoded
-        )
-        logits, cache = backend._forward(
-            input_ids.to(device), mask, positions, cache, adapters=[rows[i].adapter for i in encoded]
-        )
-        logits, last_pos = logits[:, -1], positions[:, -1]
-        if len(encoded) < len(rows):
-            slot = {i: row for row, i in enumerate(encoded)}
-            copies = torch.tensor([slot[i] for i in source], device=device)
-            for layer in cache.layers:
-                layer.select(copies)
-            mask, last_pos, logits = mask[copies], last_pos[copies], logits[copies]
-        return cache, mask, last_pos, logits
-
-    def _sample(self) -> list[tuple[int, Generation]]:
-        """Draw each live row's next token; rows that end are done (their keys and values kept as a prefix)."""
-        backend, params = self.backend, self.params
-        live = [i for i, r in enumerate(self.rows) if not r.done]
-        rows = [self.rows[i] for i in live]
-        logits = self.logits[live] if len(live) < len(self.rows) else self.logits
-        chosen, chosen_logp = backend._sample(logits, params, [r.rng for r in rows], [r.node for r in rows])
-        finished = []
-        for i, row, token, logp in zip(live, rows, chosen.tolist(), chosen_logp.tolist()):
-            row.tokens.append(token)
-            row.logps.append(logp)
-            if row.node is not None:
-                row.node = row.node.children.get(token)
-            checked = row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0
-            if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
-                row.finish = "stop"
-            elif len(row.tokens) >= params.max_new_tokens:
-                row.finish = "length"
-            elif checked and row.enough(backend.decode(row.tokens)):  # type: ignore[misc]
-                row.finish = "length"
-            else:
-                forced = [] if params.stop else backend._forced(row.node, params.max_new_tokens - len(row.tokens))
-                row.chunk = [token, *forced]
-                continue
-            row.done, row.chunk = True, []
-            backend._keep_prefix(row.key, row.prompt + row.tokens[:-1], self.cache, i, self.mask[i])
-            finished.append((row.ticket, row.generation()))
-        backend.stats.generated_tokens += len(rows)
-        return finished
-
-    def _select(self, still: list[int]) -> None:
-        """Keep the rows at ``still``; drop the columns that became padding in every row."""
-        keep = torch.tensor(still, dtype=torch.long, device=self.mask.device)
-        self.rows = [self.rows[i] for i in still]
-        self.mask, self.last_pos, self.logits = self.mask[keep], self.last_pos[keep], self.logits[keep]
-        start = int(self.mask.any(0).int().argmax()) if still else self.mask.shape[1]
-        for layer in self.cache.layers:
-            layer.select(keep)
-            if start:
-                layer.trim(start)
-        self.mask = self.mask[:, start:]
-
-    def _decode(self) -> None:
-        """One forward pass over every row's chunk (its sampled token and the tokens a constraint forces after
-        it: one pass per real choice instead of one per token); the next-token logits."""
-        device, rows = self.mask.device, self.rows
-        width = max(len(r.chunk) for r in rows)
-        pad = self.backend.tokenizer.pad_token_id or 0
-        chunk_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        chunk_mask = torch.zeros((len(rows), width), dtype=self.mask.dtype)
-        for i, row in enumerate(rows):
-            chunk_ids[i, : len(row.chunk)] = torch.tensor(row.chunk, dtype=torch.long)
-            chunk_mask[i, : len(row.chunk)] = 1
-        self.mask = torch.cat([self.mask, chunk_mask.to(device)], dim=1)
-        positions = self.last_pos.unsqueeze(1) + torch.arange(1, width + 1, device=device).unsqueeze(0)
-        adapters = [r.adapter for r in rows]
-        logits, self.cache = self.backend._forward(
-            chunk_ids.to(device), self.mask, positions, self.cache, width, adapters
-        )
-        lengths = torch.tensor([len(r.chunk) for r in rows], device=device)
-        self.last_pos = self.last_pos + lengths
-        self.logits = logits[torch.arange(len(rows), device=device), lengths - 1]
-        temperature = self.params.temperature if self.params.temperature > 0 else 1.0
-        for i, row in enumerate(rows):
-            if len(row.chunk) > 1:
-                forced_logp = torch.log_softmax(logits[i, : len(row.chunk) - 1] / temperature, dim=-1)
-                for j, token in enumerate(row.chunk[1:]):
-                    row.tokens.append(token)
-                    row.logps.append(float(forced_logp[j, token]))
-                    row.node = row.node.children.get(token)  # type: ignore[union-attr]
-                self.backend.stats.generated_tokens += len(row.chunk) - 1

@@ -1,19 +1,24 @@
-"""The key/value cache of a left-padded batch whose rows join and leave between decode steps (the hf engine's
-:class:`~repertory.generation.hf.DecodeStream`), and the prefixes kept between turns (:class:`KeptPrefixes`)."""
+"""The hf engine's key/value caches: a left-padded batch whose rows join and leave between decode steps (the
+:class:`~repertory.generation.stream.DecodeStream`), pages that rows of any length hold without padding (the
+:class:`~repertory.generation.stream.PagedStream`), and the prefixes kept between turns (:class:`KeptPrefixes`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from repertory.models.decode import paged_decode_attention
+
 GROW_TOKENS = 128
 MIN_REUSE = 8  # prompt tokens a kept prefix must cover to be worth reusing
+PAGE = 128  # tokens a page holds: the decode kernel's block of columns, so that it scores a page in one step
 
 
 class BatchLayer(DynamicLayer):
@@ -102,8 +107,132 @@ class Prefix:
     token_ids: list[int]
     kv: list[tuple[torch.Tensor, torch.Tensor]]
 
+    @property
+    def size(self) -> int:
+        """Tokens of the memory budget it takes."""
+        return len(self.token_ids)
 
-Hit = tuple[list[int], Prefix]
+    def release(self) -> None:
+        """Nothing to give back: the tensors go with the object."""
+
+
+class Pages:
+    """Keys and values of every layer in pages of :data:`PAGE` tokens (``[pages, kv_heads, PAGE, head_dim]`` a
+    layer), shared by the rows of every stream and the kept prefixes; each page has one holder at a time. The
+    tensors are allocated once and never cleared: memory is touched only where pages are written, and freed pages
+    are taken again most recent first, so what a run touches stays what it needs at its busiest."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, count: int, dtype: torch.dtype):
+        shape = (count, kv_heads, PAGE, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        self.count = count
+        self._free = list(range(count - 1, -1, -1))
+        self.reclaim: Callable[[], bool] = lambda: False
+        """Frees some page when none is free (the backend evicts a kept prefix); False when it cannot."""
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free pages, now held by the caller."""
+        taken: list[int] = []
+        while len(taken) < n:
+            if not self._free and not self.reclaim():
+                self.drop(taken)
+                # admission reserves every row's pages up front, so this is a bug in the accounting
+                raise RuntimeError(f"no free page of {self.count} left for {n} more")
+            if self._free:
+                taken.append(self._free.pop())
+        return taken
+
+    def drop(self, pages: Sequence[int]) -> None:
+        """Give ``pages`` back."""
+        self._free.extend(reversed(pages))
+
+    def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor):
+        """Write ``keys``/``values`` [n, kv_heads, head_dim] at ``slots`` (page and offset of each, [n] each)."""
+        page, offset = slots
+        self.keys[layer][page, :, offset] = keys.to(self.keys[layer].dtype)
+        self.values[layer][page, :, offset] = values.to(self.values[layer].dtype)
+
+    def gather(self, pages: Sequence[int], length: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``length`` tokens held in ``pages``, per layer ``[kv_heads, length, head_dim]`` (a copy)."""
+        index = torch.tensor(list(pages), dtype=torch.long)
+
+        def flat(pool: torch.Tensor) -> torch.Tensor:
+            part = pool[index].transpose(0, 1)  # [kv_heads, pages, PAGE, head_dim]
+            return part.reshape(part.shape[0], -1, part.shape[-1])[:, :length].to(dtype)
+
+        return [(flat(k), flat(v)) for k, v in zip(self.keys, self.values)]
+
+
+class PagedPrefix:
+    """A kept prefix that holds its pages; its keys and values are copied out only if a prompt reuses it."""
+
+    def __init__(self, token_ids: list[int], pages: list[int], pool: Pages, dtype: torch.dtype):
+        self.token_ids, self.pages, self._pool, self._dtype = token_ids, pages, pool, dtype
+
+    @property
+    def size(self) -> int:
+        return len(self.pages) * PAGE
+
+    @cached_property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._pool.gather(self.pages, len(self.token_ids), self._dtype)
+
+    def release(self) -> None:
+        self._pool.drop(self.pages)
+        self.pages = []
+
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE)
+
+
+class PagedPass:
+    """One forward pass of a :class:`~repertory.generation.stream.PagedStream`: the model's cache for the pass
+    (``update`` writes each row's new keys and values into its pages and hands the layer's pages on) and its
+    attention (``attend``, reached through the ``paged`` keyword the model passes down to
+    :func:`repertory.models.attention.gqa_sdpa_attention`).
+
+    Row b feeds ``fed[b]`` tokens after its ``cached[b]``, padded to the longest; its j-th query attends to its
+    first ``cached[b] + min(j, fed[b] - 1) + 1`` columns, so each query token is a row of the decode kernel."""
+
+    def __init__(self, pool: Pages, tables: Sequence[Sequence[int]], cached: Sequence[int], fed: Sequence[int]):
+        self.pool = pool
+        width = max(fed)
+        table = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.long)
+        for b, pages in enumerate(tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        self.table = table.repeat_interleave(width, dim=0)
+        self.lengths = torch.tensor([c + min(j, f - 1) + 1 for c, f in zip(cached, fed) for j in range(width)])
+        self.source = torch.tensor([b * width + j for b, f in enumerate(fed) for j in range(f)], dtype=torch.long)
+        positions = torch.tensor([c + j for c, f in zip(cached, fed) for j in range(f)], dtype=torch.long)
+        self.slots = (table[self.source // width, positions // PAGE], positions % PAGE)
+        self.mask = torch.ones((len(tables), 1, width, 1), dtype=torch.bool)
+        """What the model is given as its attention mask: already 4-D, so it builds none; ``attend`` ignores it."""
+
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the pass's real tokens of ``keys``/``values`` [rows, kv_heads, width, head_dim]; the layer's pages."""
+        flat = [x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])[self.source] for x in (keys, values)]
+        self.pool.write(layer, self.slots, *flat)
+        return self.pool.keys[layer], self.pool.values[layer]
+
+    def attend(self, query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, scale: float | None):
+        """Attention of ``query`` [rows, heads, width, head_dim] over the rows' pages: [rows, width, heads,
+        head_dim]."""
+        rows, heads, width, dim = query.shape
+        flat = query.transpose(1, 2).reshape(rows * width, heads, 1, dim)
+        return paged_decode_attention(flat, key_pages, value_pages, self.table, self.lengths, scale).view(
+            rows, width, heads, dim
+        )
+
+
+Hit = tuple[list[int], Prefix | PagedPrefix]
 """The tokens of a prompt that a prefix covers, and the prefix."""
 
 
@@ -131,27 +260,38 @@ class KeptPrefixes:
         self._kept.move_to_end(key)
         return prefix.token_ids[:common], prefix
 
-    def keep(self, key: object, prefix: Prefix, room: int) -> None:
+    def keep(self, key: object, prefix: Prefix | PagedPrefix, room: int) -> None:
         """Keep ``prefix`` under ``key`` (replacing what was there), then evict down to ``room`` tokens."""
         old = self._kept.pop(key, None)
-        self.tokens += len(prefix.token_ids) - (len(old.token_ids) if old else 0)
+        if old is not None:
+            self.tokens -= old.size
+            old.release()
+        self.tokens += prefix.size
         self._kept[key] = prefix
         self.evict(room)
 
     def forget(self, key: object) -> None:
+        """Stop keeping what ``key`` names, without releasing it: the caller holds it now."""
         forgotten = self._kept.pop(key, None)
         if forgotten is not None:
-            self.tokens -= len(forgotten.token_ids)
+            self.tokens -= forgotten.size
 
     def clear(self) -> None:
-        self._kept.clear()
-        self.tokens = 0
+        self.evict(-1)
 
     def evict(self, room: int) -> None:
         """Drop the least recently used prefixes until the kept tokens fit ``room`` and the cap."""
         while self._kept and self.tokens > min(self.cap, room):
-            _, evicted = self._kept.popitem(last=False)
-            self.tokens -= len(evicted.token_ids)
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used prefix; False when none is kept."""
+        if not self._kept:
+            return False
+        _, evicted = self._kept.popitem(last=False)
+        self.tokens -= evicted.size
+        evicted.release()
+        return True
 
 
 def common_length(sequences: Sequence[Sequence[int]], limit: int) -> int:

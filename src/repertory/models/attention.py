@@ -12,7 +12,8 @@ model repertory loads or builds asks for it. On CUDA (where a masked GQA call fa
 kernel) and for the features this function does not implement (soft-capping, position biases) it hands the
 call to transformers' own SDPA function unchanged. A decode step on the CPU (one query token per row, no
 gradient) goes to :func:`~repertory.models.decode.decode_attention`, a kernel of our own that reads the cache two to
-three times as fast as SDPA.
+three times as fast as SDPA. A pass over a paged cache (the hf engine's ``PagedStream``) names its own attention in
+the ``paged`` keyword, which the model hands down to every layer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def gqa_sdpa_attention(
     """transformers' attention-function signature: ``query`` [batch, heads, q, dim], ``key``/``value``
     [batch, kv_heads, kv, dim], an additive or boolean mask broadcastable to [batch, heads, q, kv]; returns
     [batch, q, heads, dim]."""
+    paged = kwargs.get("paged")
+    if paged is not None:
+        return paged.attend(query, key, value, scaling), None
     special = kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
     if not special and not dropout:
         decoded = decode_attention(query, key, value, attention_mask, scaling)

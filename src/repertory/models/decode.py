@@ -6,7 +6,11 @@ key/value heads; ``repertory bench attention``) at 15-18 GB/s and ``decode_atten
 third to a half of the time: it reads each key/value head once for its group of query heads, never reads a masked
 column, splits long rows across the cores and merges the pieces by log-sum-exp. It matches SDPA to float32
 rounding (about 2e-7 on outputs of order 1). Keys and values in bfloat16 are taken too (the query in float32, the
-sums in float32: half the bytes to read), for a cache kept in bfloat16; the hf engine's cache is float32 today.
+sums in float32: half the bytes to read), for a cache kept in bfloat16.
+
+A second op reads a paged cache (:func:`paged_decode_attention`): pages ``[N, Hkv, P, D]`` shared by every row,
+each row's columns found through its own block table, so rows join and leave the hf engine's batch without a copy
+and without padding (:mod:`repertory.generation.paged`).
 
 The kernel is compiled on first use with the machine's C++ compiler (``$CXX``, else ``c++``) for the machine it
 runs on (``-march=native``), into ``<cache>/kernels/`` under a name that hashes the source, torch's version, the
@@ -30,6 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +52,7 @@ _ISA = {"AVX512": "-DCPU_CAPABILITY_AVX512", "AVX2": "-DCPU_CAPABILITY_AVX2"}
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_kernel: list[Callable | None] = []  # the one load attempt's result, once made
+_kernel: list[Any] = []  # the one load attempt's result (the op namespace, or None), once made
 
 
 def decode_attention(
@@ -96,9 +101,40 @@ def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
     )
 
 
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    splits: int = 0,
+) -> torch.Tensor:
+    """``query`` [B, Hq, 1, D] float32 over pages ``key_pages``/``value_pages`` [N, Hkv, P, D] (float32 or
+    bfloat16): row b attends to its first ``lengths[b]`` columns, column t lying in page ``table[b, t // P]`` at
+    ``t % P``; unused table entries must still name a page. Returns [B, 1, Hq, D]. The kernel must be available
+    (:func:`paged_kernel`)."""
+    kernel = paged_kernel()
+    if kernel is None:
+        raise RuntimeError("the paged decode-attention kernel is unavailable")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return kernel(query, key_pages, value_pages, table, lengths, scale, splits)
+
+
 def decode_kernel() -> Callable | None:
     """The kernel's op (``torch.ops.repertory.decode_attention``), built and loaded on the first call of the process;
     None when ``REPERTORY_DECODE_KERNEL=0`` or when it could not be built or loaded (said once)."""
+    ops = _ops()
+    return None if ops is None else ops.decode_attention
+
+
+def paged_kernel() -> Callable | None:
+    """The paged op (``torch.ops.repertory.paged_decode_attention``), or None as for :func:`decode_kernel`."""
+    ops = _ops()
+    return None if ops is None else ops.paged_decode_attention
+
+
+def _ops() -> Any:
     if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     with _lock:
@@ -107,13 +143,13 @@ def decode_kernel() -> Callable | None:
     return _kernel[0]
 
 
-def _load() -> Callable | None:
+def _load() -> Any:
     try:
         library = kernel_path()
         if not library.is_file():
             _build(library)
         torch.ops.load_library(str(library))
-        return torch.ops.repertory.decode_attention
+        return torch.ops.repertory
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("repertory: decode-attention kernel unavailable (%s); using SDPA", _reason(error))
         return None

@@ -1,5 +1,6 @@
 // Decode attention on the CPU: one query token per row against a long key/value cache, grouped-query heads, any
-// boolean key mask (repertory.models.decode builds this file on first use and dispatches to it).
+// boolean key mask (repertory.models.decode builds this file on first use and dispatches to it). The cache is
+// either one tensor [B, Hkv, T, D] or pages [N, Hkv, P, D] that each row reads through its own block table.
 //
 // PyTorch's scaled_dot_product_attention reads a decode step's cache at well under the memory bandwidth. Here
 // each task takes one (row, key/value head, split of the columns): it reads that head's keys and values once for
@@ -47,31 +48,75 @@ inline Vec load(const c10::BFloat16* p) {
   return out;
 }
 
-// Asks for the row kAhead columns after `row` (rows `stride` elements apart); the address is computed as an
-// integer because it may lie past the end of the cache.
+// Keys and values of one key/value head over a run of columns that lie `stride` elements apart: a row's whole
+// cache, or one page. `next_*` is where the following run starts (a row's next page; null when none or when the
+// run is the row's cache), so that reading ahead crosses into it instead of into the memory after the run.
 template <typename scalar_t>
-inline void prefetch_ahead(const scalar_t* row, int64_t stride, int64_t dim) {
-  const auto start = reinterpret_cast<uintptr_t>(row) + kAhead * stride * sizeof(scalar_t);
+struct Run {
+  const scalar_t* keys;
+  const scalar_t* values;
+  int64_t k_stride, v_stride;
+  int64_t length = std::numeric_limits<int64_t>::max();  // columns in the run
+  const scalar_t* next_keys = nullptr;
+  const scalar_t* next_values = nullptr;
+};
+
+// Asks for the row kAhead columns after column `col` of a run (`base`, rows `stride` elements apart), in the next
+// run when that is where it lies; the address is computed as an integer because it may lie past the end of the
+// cache (prefetching never faults).
+template <typename scalar_t>
+inline void prefetch_ahead(const scalar_t* base, const scalar_t* next, int64_t length, int64_t col, int64_t stride,
+                           int64_t dim) {
+  const int64_t target = col + kAhead;
+  if (target >= length && !next) return;
+  const scalar_t* row = target < length ? base : next;
+  const auto start = reinterpret_cast<uintptr_t>(row) + (target < length ? target : target - length) * stride *
+                                                            sizeof(scalar_t);
   for (uintptr_t line = 0; line < dim * sizeof(scalar_t); line += 64) {
     __builtin_prefetch(reinterpret_cast<const void*>(start + line));
   }
 }
 
 // Where everything is, in elements: the query [B, Hq, 1, D], keys and values [B, Hkv, T, D] with unit stride
-// along D, and the boolean mask [B or 1, 1, 1, T] (null when every column is attended).
+// along D, and the boolean mask [B or 1, 1, 1, T] (null when every column is attended). Paged: keys and values
+// are pages [N, Hkv, P, D]; column t of row b lies in page table[b][t / P] at t % P, and the row attends to its
+// first lengths[b] columns (k_row and v_row are then the page strides).
 template <typename scalar_t>
 struct Problem {
   const float* query;
   const scalar_t* key;
   const scalar_t* value;
   const bool* mask;
+  const int64_t* table = nullptr;
+  const int64_t* lengths = nullptr;
   int64_t rows, heads, kv_heads, group, tokens, dim;
   int64_t q_row, q_head, q_dim;
   int64_t k_row, k_head, k_token;
   int64_t v_row, v_head, v_token;
   int64_t m_row, m_token;
+  int64_t t_row = 0, page = 0;
   int64_t splits, split_len;
   float scale;
+
+  // the first column after t that lies elsewhere (the next page's first; else the end)
+  int64_t run_end(int64_t t) const { return table ? (t / page + 1) * page : tokens; }
+
+  // the run of key/value head h of row b that holds column t (of `tokens` the row attends to), from t on
+  Run<scalar_t> run_at(int64_t b, int64_t h, int64_t t, int64_t tokens) const {
+    if (!table) {
+      return {key + b * k_row + h * k_head + t * k_token, value + b * v_row + h * v_head + t * v_token, k_token,
+              v_token};
+    }
+    const int64_t index = t / page, offset = t % page;
+    Run<scalar_t> run{key + table[b * t_row + index] * k_row + h * k_head + offset * k_token,
+                      value + table[b * t_row + index] * v_row + h * v_head + offset * v_token, k_token, v_token,
+                      page - offset};
+    if ((index + 1) * page < tokens) {
+      run.next_keys = key + table[b * t_row + index + 1] * k_row + h * k_head;
+      run.next_values = value + table[b * t_row + index + 1] * v_row + h * v_head;
+    }
+    return run;
+  }
 
   // one task's partial result: accumulated values [group, dim], then running maxima [group] and sums [group]
   int64_t partial_size() const { return group * (dim + 2); }
@@ -169,14 +214,15 @@ void accumulate_block(const float* weights, const scalar_t* values, int64_t stri
 // generic loops' speed on cached data (one core, 9 over 3 heads of 64), and a core streams 24 GB/s from memory
 // instead of 18: what lets two cores reach the memory bandwidth.
 template <int H, int V, typename scalar_t>
-void score_heads(const float* q, const scalar_t* keys, int64_t stride, const int64_t* cols, int64_t n,
-                 float* scores) {
+void score_heads(const float* q, const Run<scalar_t>& run, const int64_t* cols, int64_t n, float* scores) {
+  const scalar_t* keys = run.keys;
+  const int64_t stride = run.k_stride;
   Vec qv[H][V];
   for (int g = 0; g < H; ++g)
     for (int v = 0; v < V; ++v) qv[g][v] = Vec::loadu(q + (g * V + v) * kWidth);
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* k = keys + cols[i] * stride;
-    prefetch_ahead(k, stride, V * kWidth);
+    prefetch_ahead(keys, run.next_keys, run.length, cols[i], stride, V * kWidth);
     Vec kv[V];
     for (int v = 0; v < V; ++v) kv[v] = load(k + v * kWidth);
     for (int g = 0; g < H; ++g) {
@@ -188,14 +234,15 @@ void score_heads(const float* q, const scalar_t* keys, int64_t stride, const int
 }
 
 template <int H, int V, typename scalar_t>
-void accumulate_heads(const float* weights, const scalar_t* values, int64_t stride, const int64_t* cols, int64_t n,
-                      float* acc) {
+void accumulate_heads(const float* weights, const Run<scalar_t>& run, const int64_t* cols, int64_t n, float* acc) {
+  const scalar_t* values = run.values;
+  const int64_t stride = run.v_stride;
   Vec av[H][V];
   for (int g = 0; g < H; ++g)
     for (int v = 0; v < V; ++v) av[g][v] = Vec::loadu(acc + (g * V + v) * kWidth);
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* row = values + cols[i] * stride;
-    prefetch_ahead(row, stride, V * kWidth);
+    prefetch_ahead(values, run.next_values, run.length, cols[i], stride, V * kWidth);
     Vec vv[V];
     for (int v = 0; v < V; ++v) vv[v] = load(row + v * kWidth);
     for (int g = 0; g < H; ++g) {
@@ -209,16 +256,15 @@ void accumulate_heads(const float* weights, const scalar_t* values, int64_t stri
 
 // Both steps for the last `heads` (< H) heads of a group: the instance for exactly that many.
 template <int H, int V, typename scalar_t>
-void rest_of_group(int64_t heads, const float* q, const float* weights, const scalar_t* keys, const scalar_t* values,
-                   int64_t k_stride, int64_t v_stride, const int64_t* cols, int64_t n, float* scores, float* acc,
-                   bool scoring) {
+void rest_of_group(int64_t heads, const float* q, const float* weights, const Run<scalar_t>& run, const int64_t* cols,
+                   int64_t n, float* scores, float* acc, bool scoring) {
   if constexpr (H > 0) {
     if (heads != H) {
-      rest_of_group<H - 1, V>(heads, q, weights, keys, values, k_stride, v_stride, cols, n, scores, acc, scoring);
+      rest_of_group<H - 1, V>(heads, q, weights, run, cols, n, scores, acc, scoring);
     } else if (scoring) {
-      score_heads<H, V>(q, keys, k_stride, cols, n, scores);
+      score_heads<H, V>(q, run, cols, n, scores);
     } else {
-      accumulate_heads<H, V>(weights, values, v_stride, cols, n, acc);
+      accumulate_heads<H, V>(weights, run, cols, n, acc);
     }
   }
 }
@@ -226,38 +272,36 @@ void rest_of_group(int64_t heads, const float* q, const float* weights, const sc
 // One step (scoring, or summing values) of a block for a whole group, H heads at a time; the registers hold 16
 // vectors of queries or accumulators.
 template <int V, typename scalar_t>
-void group_step(const float* q, const float* weights, const scalar_t* keys, const scalar_t* values, int64_t k_stride,
-                int64_t v_stride, const int64_t* cols, int64_t n, int64_t group, float* scores, float* acc,
-                bool scoring) {
+void group_step(const float* q, const float* weights, const Run<scalar_t>& run, const int64_t* cols, int64_t n,
+                int64_t group, float* scores, float* acc, bool scoring) {
   constexpr int H = 16 / V;
   constexpr int64_t dim = V * kWidth;
   int64_t g = 0;
   for (; g + H <= group; g += H) {
     if (scoring) {
-      score_heads<H, V>(q + g * dim, keys, k_stride, cols, n, scores + g * kBlock);
+      score_heads<H, V>(q + g * dim, run, cols, n, scores + g * kBlock);
     } else {
-      accumulate_heads<H, V>(weights + g * kBlock, values, v_stride, cols, n, acc + g * dim);
+      accumulate_heads<H, V>(weights + g * kBlock, run, cols, n, acc + g * dim);
     }
   }
   if (g < group) {
-    rest_of_group<H - 1, V>(group - g, q + g * dim, weights + g * kBlock, keys, values, k_stride, v_stride, cols, n,
-                            scores + g * kBlock, acc + g * dim, scoring);
+    rest_of_group<H - 1, V>(group - g, q + g * dim, weights + g * kBlock, run, cols, n, scores + g * kBlock,
+                            acc + g * dim, scoring);
   }
 }
 
 // Scores or sums one block, through the register-resident instances where the head size has one.
 template <typename scalar_t>
-void block_step(const float* q, const float* weights, const scalar_t* keys, const scalar_t* values, int64_t k_stride,
-                int64_t v_stride, const int64_t* cols, int64_t n, int64_t group, int64_t dim, float* scores,
-                float* acc, bool scoring) {
+void block_step(const float* q, const float* weights, const Run<scalar_t>& run, const int64_t* cols, int64_t n,
+                int64_t group, int64_t dim, float* scores, float* acc, bool scoring) {
   if (dim == 4 * kWidth) {
-    group_step<4>(q, weights, keys, values, k_stride, v_stride, cols, n, group, scores, acc, scoring);
+    group_step<4>(q, weights, run, cols, n, group, scores, acc, scoring);
   } else if (dim == 8 * kWidth) {
-    group_step<8>(q, weights, keys, values, k_stride, v_stride, cols, n, group, scores, acc, scoring);
+    group_step<8>(q, weights, run, cols, n, group, scores, acc, scoring);
   } else if (scoring) {
-    score_block(q, keys, k_stride, cols, n, group, dim, scores);
+    score_block(q, run.keys, run.k_stride, cols, n, group, dim, scores);
   } else {
-    accumulate_block(weights, values, v_stride, cols, n, group, dim, acc);
+    accumulate_block(weights, run.values, run.v_stride, cols, n, group, dim, acc);
   }
 }
 
@@ -284,21 +328,22 @@ void attend_split(const Problem<scalar_t>& p, int64_t task, Scratch& scratch, fl
   std::fill(acc, acc + group * dim, 0.f);
   std::fill(maxes, maxes + group, kNone);
   std::fill(sums, sums + group, 0.f);
-  const scalar_t* keys = p.key + b * p.k_row + h * p.k_head;
-  const scalar_t* values = p.value + b * p.v_row + h * p.v_head;
   const bool* mask = p.mask ? p.mask + b * p.m_row : nullptr;
-  const int64_t begin = std::min(s * p.split_len, p.tokens), end = std::min(begin + p.split_len, p.tokens);
+  const int64_t tokens = p.lengths ? std::min(p.lengths[b], p.tokens) : p.tokens;
+  const int64_t begin = std::min(s * p.split_len, tokens), end = std::min(begin + p.split_len, tokens);
   int64_t* cols = scratch.cols.data();
   float* scores = scratch.scores.data();
-  for (int64_t start = begin; start < end; start += kBlock) {
+  for (int64_t start = begin, stop; start < end; start = stop) {
+    stop = std::min({start + kBlock, end, p.run_end(start)});
     int64_t n = 0;
-    for (int64_t t = start; t < std::min(start + kBlock, end); ++t) {
-      if (!mask || mask[t * p.m_token]) cols[n++] = t;
+    for (int64_t t = start; t < stop; ++t) {
+      if (!mask || mask[t * p.m_token]) cols[n++] = t - start;
     }
     if (n == 0) continue;
-    block_step(q, scores, keys, values, p.k_token, p.v_token, cols, n, group, dim, scores, acc, true);
+    const Run<scalar_t> run = p.run_at(b, h, start, tokens);
+    block_step(q, scores, run, cols, n, group, dim, scores, acc, true);
     for (int64_t g = 0; g < group; ++g) weigh_block(scores + g * kBlock, n, maxes[g], sums[g], acc + g * dim, dim);
-    block_step(q, scores, keys, values, p.k_token, p.v_token, cols, n, group, dim, scores, acc, false);
+    block_step(q, scores, run, cols, n, group, dim, scores, acc, false);
   }
 }
 
@@ -353,14 +398,15 @@ void run(const Problem<scalar_t>& p, float* out) {
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const std::optional<at::Tensor>& mask) {
+                  const std::optional<at::Tensor>& mask, bool paged = false) {
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "decode_attention: query must be [B, Hq, 1, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "decode_attention: query must be float32");
   TORCH_CHECK(key.dim() == 4 && key.sizes() == value.sizes(), "decode_attention: key and value must be [B, Hkv, T, D]");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "decode_attention: key and value dtypes differ");
   TORCH_CHECK(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16,
               "decode_attention: key and value must be float32 or bfloat16");
-  TORCH_CHECK(key.size(0) == query.size(0) && key.size(3) == query.size(3), "decode_attention: shapes differ");
+  TORCH_CHECK((paged || key.size(0) == query.size(0)) && key.size(3) == query.size(3),
+              "decode_attention: shapes differ");
   TORCH_CHECK(key.size(1) > 0 && query.size(1) % key.size(1) == 0,
               "decode_attention: query heads must be a multiple of key/value heads");
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: key and value need unit stride on D");
@@ -410,10 +456,77 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out;
 }
 
+void check_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
+                 const at::Tensor& lengths) {
+  check_inputs(query, key, value, std::nullopt, true);
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == query.size(0) && table.scalar_type() == at::kLong &&
+                  table.is_contiguous() && table.device().is_cpu(),
+              "paged_decode_attention: table must be contiguous int64 [B, pages]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == query.size(0) && lengths.scalar_type() == at::kLong &&
+                  lengths.is_contiguous() && lengths.device().is_cpu(),
+              "paged_decode_attention: lengths must be contiguous int64 [B]");
+  // plain loops: the table is small, and a tensor reduction per layer cost more than the check
+  const int64_t* pages = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.numel(); ++i) {
+    TORCH_CHECK(pages[i] >= 0 && pages[i] < key.size(0), "paged_decode_attention: a page index lies outside the pages");
+  }
+  const int64_t* rows = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lengths.numel(); ++b) {
+    TORCH_CHECK(rows[b] >= 0 && rows[b] <= table.size(1) * key.size(2),
+                "paged_decode_attention: a length exceeds its row's pages");
+  }
+}
+
+template <typename scalar_t>
+Problem<scalar_t> describe_pages(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const at::Tensor& table, const at::Tensor& lengths, double scale, int64_t splits) {
+  Problem<scalar_t> p;
+  p.query = query.data_ptr<float>();
+  p.key = key.data_ptr<scalar_t>();
+  p.value = value.data_ptr<scalar_t>();
+  p.mask = nullptr;
+  p.table = table.data_ptr<int64_t>();
+  p.lengths = lengths.data_ptr<int64_t>();
+  p.rows = query.size(0), p.heads = query.size(1), p.kv_heads = key.size(1);
+  p.group = p.heads / p.kv_heads, p.dim = query.size(3), p.page = key.size(2);
+  const int64_t* rows = lengths.data_ptr<int64_t>();
+  p.tokens = lengths.numel() ? *std::max_element(rows, rows + lengths.numel()) : 0;
+  p.q_row = query.stride(0), p.q_head = query.stride(1), p.q_dim = query.stride(3);
+  p.k_row = key.stride(0), p.k_head = key.stride(1), p.k_token = key.stride(2);
+  p.v_row = value.stride(0), p.v_head = value.stride(1), p.v_token = value.stride(2);
+  p.m_row = 0, p.m_token = 0, p.t_row = table.size(1);
+  p.splits = split_count(p.rows * p.kv_heads, p.tokens, splits);
+  p.split_len = (p.tokens + p.splits - 1) / p.splits;
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+// query [B, Hq, 1, D] float32; key, value pages [N, Hkv, P, D] float32 or bfloat16; table [B, pages] int64 (row
+// b's columns t lie in page table[b][t / P]); lengths [B] int64 (row b attends to its first lengths[b] columns).
+// Returns [B, 1, Hq, D] float32. Unused table entries must still name a page (0 will do).
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& table, const at::Tensor& lengths, double scale, int64_t splits) {
+  check_pages(query, key, value, table, lengths);
+  at::Tensor out = at::empty({query.size(0), 1, query.size(1), query.size(3)}, query.options());
+  if (out.numel() == 0) return out;
+  if (key.scalar_type() == at::kBFloat16) {
+    run(describe_pages<c10::BFloat16>(query, key, value, table, lengths, scale, splits), out.data_ptr<float>());
+  } else {
+    run(describe_pages<float>(query, key, value, table, lengths, scale, splits), out.data_ptr<float>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(repertory, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, int splits=0) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lengths, float scale, "
+      "int splits=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(repertory, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(repertory, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
