@@ -162,6 +162,7 @@ def roofline_seconds(passes: Iterable[ForwardPass], cost: PassCost, bandwidth: f
 BENCH_ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "hf": ("hf", {}),
     "hf-padded": ("hf", {"paged": False}),  # one left-padded cache: the path the pages replace
+    "hf-kv-bf16": ("hf", {"kv_dtype": "bfloat16"}),  # pages in bfloat16
     "vllm": ("vllm", {}),
 }
 """The engines ``bench rollout`` runs, by name: a backend and its engine arguments."""

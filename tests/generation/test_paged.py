@@ -142,3 +142,48 @@ def test_a_chat_takes_over_its_kept_pages_and_no_page_leaks(kernel, tokenizer):
     assert pool.free + len(again.pages) == pool.count
     backend.reset_cache()
     assert pool.free == pool.count
+
+
+def test_rows_joining_with_a_common_prefix_hold_its_whole_pages_once(kernel, tokenizer):
+    """A judge's questions about one episode: the episode's whole pages are held by every question, not copied."""
+    backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=2)
+    pool = backend.pages()
+    episode = tokenizer.encode("The episode so far: an offer of 300 for the bike, then 280. " * 15)
+    assert 2 * PAGE < len(episode) < 3 * PAGE - 16
+    prompts = [episode + tokenizer.encode(q) for q in (" Score it.", " Rate agent 1.", " Rate agent 2.", " Who won?")]
+    stream = backend.stream(SamplingParams(max_new_tokens=4))
+    for seed, prompt in enumerate(prompts):
+        stream.add(prompt, seed, key="episode")
+    stream.step()
+    assert [pages_for(len(p)) for p in prompts] == [3] * 4
+    assert pool.count - pool.free == 3 + 3 * 1  # the first row's 3 pages; each other row 2 held and 1 of its own
+    assert all(stream.held[b][:2] == stream.held[0][:2] for b in range(4))
+    while stream.busy:
+        stream.step()
+    backend.reset_cache()
+    assert pool.free == pool.count
+
+
+def test_a_bfloat16_cache_halves_each_token_and_samples_close_to_float32(kernel, tokenizer):
+    from repertory.generation import samples_exactly
+    from repertory.types import RepertoryError
+
+    loaded = tiny_model(tokenizer, layers=2, hidden=72, heads=9, kv_heads=3, seed=3)
+    exact, halved = HFBackend(loaded, kv_memory_mb=4), HFBackend(loaded, kv_memory_mb=4, kv_dtype="bfloat16")
+    assert halved.token_bytes * 2 == exact.token_bytes and halved.budget_tokens // 2 == exact.budget_tokens
+    assert halved.pages().keys[0].dtype == torch.bfloat16
+    prompts = [tokenizer.encode("Round 1 of 10. " * 30), tokenizer.encode("You are Alice. " * 3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    sampled = halved.generate(prompts, params, [0, 1])
+    with torch.no_grad():  # the float32 model's own log-probs of the tokens the bfloat16 cache sampled
+        for prompt, generation in zip(prompts, sampled):
+            ids = torch.tensor([prompt + generation.response_ids])
+            logp = torch.log_softmax(loaded.model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+            exact_logp = logp.gather(1, torch.tensor(generation.response_ids).unsqueeze(1)).squeeze(1)
+            gap = (exact_logp - torch.tensor(generation.logp_sample)).abs().max().item()
+            assert 0 < gap < 1e-2  # rounded keys and values: close, and not exact
+    assert not samples_exactly("hf", {"kv_dtype": "bfloat16"}) and samples_exactly("hf", {})
+    with pytest.raises(RepertoryError, match="kv_dtype bfloat16 keeps the paged cache in bfloat16, and this engine"):
+        HFBackend(loaded, kv_dtype="bfloat16", paged=False)
+    with pytest.raises(RepertoryError, match="kv_dtype must be one of float32, bfloat16, not 'int8'"):
+        HFBackend(loaded, kv_dtype="int8")

@@ -27,7 +27,7 @@ def bench_rollout(
         "--backend",
         "-b",
         help="Generation engine(s), each on the same episodes: hf (default; paged cache), hf-padded (one left-padded "
-        "cache), vllm.",
+        "cache), hf-kv-bf16 (pages in bfloat16), vllm.",
     ),
     precision: str = typer.Option(
         "float32", "--precision", help="The hf engine's linear layers: float32 (exact) or bfloat16 (CPU, faster)."

@@ -129,8 +129,10 @@ class RolloutConfig(_Section):
         "max_num_seqs, max_model_len, enforce_eager, kv_cache_memory_bytes...) and lora_mode (merged on a CPU, "
         "requests on a GPU), for hf kv_memory_mb (keys and values in flight plus kept prefixes; 2048 on a CPU, a "
         "quarter of a GPU), max_batch, prefix_cache_tokens, precision (float32, exact, the default; bfloat16: "
-        "linear layers through bfloat16 weight copies on a CPU, faster, corrected by rollout_correction) and paged "
-        "(keys and values in pages of 128 tokens where the decode kernel runs; false: one left-padded cache).",
+        "linear layers through bfloat16 weight copies on a CPU, faster, corrected by rollout_correction), paged "
+        "(keys and values in pages of 128 tokens where the decode kernel runs; false: one left-padded cache) and "
+        "kv_dtype (float32; bfloat16: the pages in bfloat16, twice the tokens in the budget, corrected by "
+        "rollout_correction).",
     )
 
     @field_validator("env")

@@ -15,7 +15,7 @@ from repertory.generation.core import Backend, Generation, GenerationStats, Samp
 from repertory.models import LoadedModel
 from repertory.types import RepertoryError
 
-HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision", "paged")
+HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision", "paged", "kv_dtype")
 
 
 def engine_options(kind: str, options: dict[str, Any], precision: str = "float32") -> dict[str, Any]:
@@ -28,9 +28,10 @@ def samples_exactly(kind: str, options: dict[str, Any], precision: str = "float3
     """Whether the ``kind`` engine with these ``rollout.engine_args`` samples the learner's own float32 module, so
     that its log-probs need no correction (hf, both at float32). At bfloat16 the two round activations that
     differ in float32's last bits (decode rows against packed rows) to different bfloat16 values: a mean gap of
-    about 0.013 nats a token on the default recipe (docs/results.md 30), which the correction takes."""
-    sampler = engine_options(kind, options, precision).get("precision")
-    return kind == "hf" and precision == "float32" and sampler == "float32"
+    about 0.013 nats a token on the default recipe (docs/results.md 30), which the correction takes. A bfloat16
+    key/value cache (``kv_dtype``) rounds the keys and values the sampler attends to, so it is not exact either."""
+    hf = engine_options(kind, options, precision)
+    return kind == "hf" and precision == hf.get("precision") == hf.get("kv_dtype", "float32") == "float32"
 
 
 def _hf(loaded: LoadedModel, **options: Any) -> Backend:

@@ -85,26 +85,33 @@ class HFBackend(TokenizedChoices):
         prefix_cache_tokens: int | None = None,
         precision: str = "float32",
         paged: bool = True,
+        kv_dtype: str = "float32",
     ):
         """``kv_memory_mb`` bounds keys and values in flight plus kept prefixes (default: 2 GiB on a CPU, a
         quarter of a GPU); ``max_batch`` caps the rows in flight besides; ``prefix_cache_tokens`` caps the kept
         prefixes below what the budget leaves them (0: keep none); ``precision`` "bfloat16" runs the linear
         layers of a float32 CPU model through bfloat16 weight copies (faster, not exact; see
         :mod:`repertory.models.linear`); ``paged`` False keeps every stream's rows in one left-padded tensor
-        (the path before pages, for comparisons)."""
+        (the path before pages, for comparisons); ``kv_dtype`` "bfloat16" keeps the pages in bfloat16 (half the
+        bytes, twice the tokens in the budget; not exact)."""
         self.loaded = loaded
         self.model = loaded.model
         self.peft = loaded.peft
         self.tokenizer = loaded.tokenizer
-        self.token_bytes = kv_bytes_per_token(loaded.model.config, next(loaded.model.parameters()).dtype)
         memory_mb = kv_memory_mb if kv_memory_mb is not None else _default_kv_memory_mb(loaded.device)
         if memory_mb <= 0 or (max_batch is not None and max_batch < 1):
             raise RepertoryError("rollout.engine_args: kv_memory_mb must be positive and max_batch at least 1")
-        if precision not in PRECISIONS:
-            known = ", ".join(PRECISIONS)
-            raise RepertoryError(f"rollout.engine_args: precision must be one of {known}, not {precision!r}")
-        self.precision = precision
-        self.paged = paged
+        for name, value in (("precision", precision), ("kv_dtype", kv_dtype)):
+            if value not in PRECISIONS:
+                known = ", ".join(PRECISIONS)
+                raise RepertoryError(f"rollout.engine_args: {name} must be one of {known}, not {value!r}")
+        self.precision, self.paged, self.kv_dtype = precision, paged, getattr(torch, kv_dtype)
+        if self.kv_dtype != torch.float32 and not self.paged_cache:
+            raise RepertoryError(
+                "rollout.engine_args: kv_dtype bfloat16 keeps the paged cache in bfloat16, and this engine has none "
+                "(it needs a CPU, a float32 Llama-architecture model, the decode kernel and paged not false)"
+            )
+        self.token_bytes = kv_bytes_per_token(loaded.model.config, self.kv_dtype)
         self._pages: Pages | None = None
         self.budget_tokens = int(memory_mb * 2**20) // self.token_bytes
         self.max_batch = max_batch
@@ -146,7 +153,7 @@ class HFBackend(TokenizedChoices):
         """The pages every paged stream's rows and the kept prefixes hold: the whole budget, allocated once."""
         if self._pages is None:
             layers, _, kv_heads, head_dim = attention_shape(self.model.config)
-            self._pages = Pages(layers, kv_heads, head_dim, self.budget_tokens // PAGE, torch.float32)
+            self._pages = Pages(layers, kv_heads, head_dim, self.budget_tokens // PAGE, self.kv_dtype)
             self._pages.reclaim = self.prefixes.evict_one
         return self._pages
 

@@ -118,9 +118,11 @@ class Prefix:
 
 class Pages:
     """Keys and values of every layer in pages of :data:`PAGE` tokens (``[pages, kv_heads, PAGE, head_dim]`` a
-    layer), shared by the rows of every stream and the kept prefixes; each page has one holder at a time. The
-    tensors are allocated once and never cleared: memory is touched only where pages are written, and freed pages
-    are taken again most recent first, so what a run touches stays what it needs at its busiest."""
+    layer), shared by the rows of every stream and the kept prefixes. A whole page may have several holders (rows
+    that start with the same tokens), and it is free again when the last gives it back; a page still being
+    written has one. The tensors are allocated once and never cleared: memory is touched only where pages are
+    written, and freed pages are taken again most recent first, so what a run touches stays what it needs at its
+    busiest."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, count: int, dtype: torch.dtype):
         shape = (count, kv_heads, PAGE, head_dim)
@@ -128,6 +130,7 @@ class Pages:
         self.values = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
         self.count = count
         self._free = list(range(count - 1, -1, -1))
+        self._holders = [0] * count
         self.reclaim: Callable[[], bool] = lambda: False
         """Frees some page when none is free (the backend evicts a kept prefix); False when it cannot."""
 
@@ -145,11 +148,21 @@ class Pages:
                 raise RuntimeError(f"no free page of {self.count} left for {n} more")
             if self._free:
                 taken.append(self._free.pop())
+                self._holders[taken[-1]] = 1
         return taken
 
+    def hold(self, pages: Sequence[int]) -> list[int]:
+        """``pages`` (whole ones, never written again), now held by the caller too."""
+        for page in pages:
+            self._holders[page] += 1
+        return list(pages)
+
     def drop(self, pages: Sequence[int]) -> None:
-        """Give ``pages`` back."""
-        self._free.extend(reversed(pages))
+        """Give ``pages`` back: each is free once its last holder has."""
+        for page in reversed(pages):
+            self._holders[page] -= 1
+            if not self._holders[page]:
+                self._free.append(page)
 
     def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor):
         """Write ``keys``/``values`` [n, kv_heads, head_dim] at ``slots`` (page and offset of each, [n] each)."""

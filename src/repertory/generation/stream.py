@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -59,6 +59,33 @@ class Row:
 
     def generation(self) -> Generation:
         return Generation(self.tokens, self.logps, self.finish)
+
+
+class Prefilled(NamedTuple):
+    """The joining rows' prompts, encoded: their left-padded cache, mask, last positions and next-token logits, and
+    per row the earlier row whose first tokens it repeats (an identical prompt, a key's shared prefix) and how
+    many, None where none."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+    logits: torch.Tensor
+    repeats: list[tuple[int, int] | None]
+
+
+def _repeated(rows: Sequence[Row], shared: Sequence[Hit | None], source: Sequence[int]) -> list[tuple[int, int] | None]:
+    """:attr:`Prefilled.repeats` from the prefill's ``shared`` prefixes and ``source`` (the row whose encoding each
+    copies)."""
+    first: dict[int, int] = {}  # a shared prefix (by identity) -> the first row that starts from it
+    out: list[tuple[int, int] | None] = []
+    for i, (row, hit) in enumerate(zip(rows, shared)):
+        if source[i] != i:
+            out.append((source[i], len(row.prompt)))
+        elif hit is not None and first.setdefault(id(hit[1]), i) != i:
+            out.append((first[id(hit[1])], len(hit[0])))
+        else:
+            out.append(None)
+    return out
 
 
 class DecodeStream:
@@ -165,7 +192,7 @@ class DecodeStream:
 
     def _join(self, joining: list[Row]) -> None:
         self.backend.stats.calls += 1
-        cache, mask, last_pos, logits = self._prefill(joining, self._kept_prefixes(joining))
+        cache, mask, last_pos, logits, _ = self._prefill(joining, self._kept_prefixes(joining))
         if self.cache is None or not self.rows:
             self.cache, self.mask, self.last_pos, self.logits = cache, mask, last_pos, logits
         else:
@@ -186,11 +213,8 @@ class DecodeStream:
                 self.backend.prefixes.forget(row.key)
         return kept
 
-    def _prefill(
-        self, rows: list[Row], kept: Sequence[Hit | None]
-    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Encode the joining rows' prompts (each distinct prompt once, after its ``kept`` or shared prefix): their
-        left-padded cache, mask, last positions and next-token logits."""
+    def _prefill(self, rows: list[Row], kept: Sequence[Hit | None]) -> Prefilled:
+        """Encode the joining rows' prompts (each distinct prompt once, after its ``kept`` or shared prefix)."""
         backend, device = self.backend, self.backend.loaded.device
         shared, shared_encoded = backend._encode_shared(rows, kept, device)
         reused = [k or s for k, s in zip(kept, shared)]
@@ -223,7 +247,7 @@ class DecodeStream:
             for layer in cache.layers:
                 layer.select(copies)
             mask, last_pos, logits = mask[copies], last_pos[copies], logits[copies]
-        return cache, mask, last_pos, logits
+        return Prefilled(cache, mask, last_pos, logits, _repeated(rows, shared, source))
 
     def _sample(self) -> list[tuple[int, Generation]]:
         """Draw each live row's next token; rows that end are done (their keys and values kept as a prefix)."""
@@ -350,11 +374,15 @@ class PagedStream(DecodeStream):
     def _join(self, joining: list[Row]) -> None:
         self.backend.stats.calls += 1
         kept = self._kept_prefixes(joining)
-        cache, mask, _, logits = self._prefill(joining, kept)
+        cache, mask, _, logits, repeats = self._prefill(joining, kept)
         held = [self._take_over(hit) for hit in kept]
         rows, cols, pages, offsets = [], [], [], []
-        for b, (row, (own, start)) in enumerate(zip(joining, held)):
+        for b, (row, (own, start), repeat) in enumerate(zip(joining, held, repeats)):
             total = len(row.prompt)
+            if repeat is not None and not start:  # only whole pages are shared: a partial one has one writer
+                whole = repeat[1] // PAGE
+                own, start = self.pool.hold(held[repeat[0]][0][:whole]), whole * PAGE
+                held[b] = (own, start)
             own += self.pool.take(pages_for(total) - len(own))
             valid = mask[b].nonzero().squeeze(1).tolist()  # the prompt's tokens, in order
             rows += [b] * (total - start)
