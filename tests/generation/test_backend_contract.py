@@ -198,7 +198,9 @@ def test_unknown_engine_options_and_engines_are_one_line_errors(tokenizer):
     from repertory.types import RepertoryError
 
     loaded = tiny(tokenizer, seed=1)
-    expected = "the hf backend takes kv_memory_mb, max_batch, prefix_cache_tokens, precision, paged, kv_dtype, not 'gpu_memory"
+    expected = (
+        "the hf backend takes kv_memory_mb, max_batch, prefix_cache_tokens, precision, paged, kv_dtype, not 'gpu_memory"
+    )
     with pytest.raises(RepertoryError, match=expected):
         make_backend("hf", loaded, gpu_memory_utilization=0.5)
     with pytest.raises(RepertoryError, match="unknown generation backend 'sglang'; known: hf, vllm"):
