@@ -43,12 +43,14 @@ def load_suite(recipe: str) -> SuiteConfig | None:
 
 
 def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
-    """(run name, overrides) of every cell of the grid, environment-major."""
+    """(run name, overrides) of every cell of the grid, environment-major, then seed: each seed's arms run back to
+    back, so that a suite continued in a later session (on other code, or another machine) still compares arms
+    paired by seed under the same conditions."""
     out = []
     for env in suite.envs:
-        for entry in suite.methods:
-            method, selected = suite.method_overrides(entry)
-            for seed in suite.seeds:
+        for seed in suite.seeds:
+            for entry in suite.methods:
+                method, selected = suite.method_overrides(entry)
                 name = f"{method}-{env}-s{seed}"
                 overrides = [*suite.set, *selected, f"rollout.env={env}", f"seed={seed}"]
                 if suite.warm_start is not None:
