@@ -24,7 +24,7 @@ from repertory.agents.resolve import make_agent
 from repertory.envs import env_class, env_names, load_kernels, make
 from repertory.envs.checks import check_episode
 from repertory.rollout import EpisodeSpec, run_episodes
-from repertory.types import SPLITS, Kernel, derive
+from repertory.types import SPLITS, Kernel, RepertoryError, derive
 
 ENVS = ("ipd", "split-no-comm", "trust-and-split")
 NAMES = ["Alice", "Bob"]
@@ -1104,3 +1104,66 @@ def test_reset_rejects_foreign_or_broken_kernel():
         env.reset(snc_kernel([((10, 1, 1), (10, 1, 1))]), 0)
     with pytest.raises(ValueError):
         env.reset(snc_kernel([((10, 1, 1), (10, 10, 1))]), 0)
+
+
+# Alice's and Bob's per-round quality in the worked example against tit-for-tat: the points of the move played
+# minus those of the other move, against the partner's move (A vs A: 3 - 5; B vs A: 5 - 3; A vs B: 0 - 1).
+IPD_QUALITY_ALICE = [-2, -2, 2, -1, -2, -2, -2, -2, -2, 2]
+IPD_QUALITY_BOB = [-2, -2, -1, 2, -2, -2, -2, -2, -2, -1]
+
+
+def _worked_example_vs_tit_for_tat(**options: Any) -> Any:
+    alice = script([choose(m) for m in ALICE_MOVES])
+    env = make("ipd", **options)
+    env.reset(ipd_kernel(), 0)
+    rewards: dict[str, list[float]] = {r: [] for r in NAMES}
+    tft = env_class("ipd").bots["tit-for-tat"]
+    while not env.done:
+        result = env.step({"Alice": alice(env, "Alice"), "Bob": tft(env.view("Bob"))})
+        for role in NAMES:
+            rewards[role].append(result.rewards[role])
+    return env, rewards
+
+
+def test_ipd_reward_at_end_pays_the_whole_score_after_the_last_round():
+    env, rewards = _worked_example_vs_tit_for_tat(reward_at_end=True)
+    assert rewards["Alice"] == [0.0] * 9 + [pytest.approx(31 / 50, abs=1e-12)]
+    assert rewards["Bob"] == [0.0] * 9 + [pytest.approx(26 / 50, abs=1e-12)]
+    assert env.result().roles["Alice"].outcome == pytest.approx(0.62, abs=1e-12)
+    _, per_round = _worked_example_vs_tit_for_tat()
+    assert per_round["Alice"][:3] == pytest.approx([3 / 50, 3 / 50, 5 / 50], abs=1e-12)
+
+
+@pytest.mark.parametrize("env_name", ["ipd", "split-no-comm", "trust-and-split"])
+def test_round_games_at_end_pay_what_their_rounds_sum_to(env_name):
+    kernel = load_kernels(env_name, "train")[0]
+    bots = env_class(env_name).bots
+    first = next(iter(bots))
+    env = make(env_name, reward_at_end=True)
+    env.reset(kernel, 3)
+    paid: dict[str, list[float]] = {}
+    while not env.done:
+        result = env.step({role: bots[first](env.view(role)) for role in env.acting_roles()})
+        for role, reward in result.rewards.items():
+            paid.setdefault(role, []).append(reward)
+    for role, rewards in paid.items():
+        assert rewards[:-1] == [0.0] * (len(rewards) - 1)
+        assert rewards[-1] == pytest.approx(env.result().roles[role].outcome, abs=TOL)
+
+
+def test_reward_at_end_takes_true_or_false_only():
+    with pytest.raises(RepertoryError, match="reward_at_end must be true or false"):
+        make("ipd", reward_at_end="yes")
+    with pytest.raises(RepertoryError, match="its options are reward_at_end"):
+        make("ipd", rewards_at_end=True)
+
+
+def test_ipd_turn_quality_of_the_worked_example(tmp_path):
+    path = tmp_path / "alice.txt"
+    path.write_text("\n".join(choose(m) for m in ALICE_MOVES) + "\n", encoding="utf-8")
+    spec = EpisodeSpec("ep", "ipd", ipd_kernel(), 7, [ScriptAgent(path), make_agent("tit-for-tat", env_class("ipd"))])
+    (episode,) = run_episodes([spec])
+    quality = env_class("ipd").turn_quality(episode)
+    assert [quality[("p0", k)] for k in range(10)] == IPD_QUALITY_ALICE
+    assert [quality[("p1", k)] for k in range(10)] == IPD_QUALITY_BOB
+    assert env_class("craigslist").turn_quality(episode) == {}

@@ -14,10 +14,11 @@ from repertory.generation.hf import HFBackend
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
-from repertory.train.batch import Batch, Sample, collect
+from repertory.envs import env_class
+from repertory.train.batch import Batch, Experience, Sample, collect
 from repertory.train.learner import Learner
 from repertory.train.learner_state import load_learner, save_learner
-from repertory.types import Episode, Kernel, Result, RoleResult, Seat, Turn
+from repertory.types import Action, Episode, Kernel, Result, RoleResult, Seat, Turn
 
 
 @pytest.fixture(scope="module")
@@ -410,3 +411,25 @@ def test_attention_without_copied_heads_equals_the_copying_path(tokenizer, episo
         assert torch.allclose(mine.logp_old, theirs.experience[i].logp_old, atol=1e-5)
         assert torch.allclose(mine.values, theirs.experience[i].values, atol=1e-5)
     assert torch.allclose(w1, w2, atol=1e-5)
+
+
+def test_credit_quality_correlates_each_turns_advantage_with_its_game_quality(episodes):
+    episodes = copy.deepcopy(episodes)  # the tiny model's free text always parses as B: give the moves variety
+    for k, turn in enumerate(t for ep in episodes for t in ep.turns):
+        turn.action = Action("choose", "AB"[k % 3 == 0])
+    batch = collect(episodes)
+    quality = {ep.episode_id: env_class("ipd").turn_quality(ep) for ep in episodes}
+    empty = torch.zeros(0)
+    for ref in batch.trajectories:
+        for index in ref.samples:
+            q = quality[ref.episode.episode_id][(ref.seat_id, batch.samples[index].turn)]
+            n = len(batch.samples[index].response_ids)
+            # advantage = 2 q + 1 on every token: a perfect (affine) correlation
+            batch.experience[index] = Experience(empty, empty, empty, advantages=torch.full((n,), 2 * q + 1.0))
+    assert batch.credit_quality() == {"credit/quality_turns": 40.0, "credit/quality_corr": pytest.approx(1.0)}
+    for experience in batch.experience.values():
+        experience.advantages = -experience.advantages  # credit against quality
+    assert batch.credit_quality()["credit/quality_corr"] == pytest.approx(-1.0)
+    for experience in batch.experience.values():
+        experience.advantages = torch.ones_like(experience.advantages)  # flat: no correlation is defined
+    assert batch.credit_quality() == {"credit/quality_turns": 40.0}

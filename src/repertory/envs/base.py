@@ -146,6 +146,14 @@ class Env(ABC):
         classic strategies (cross-play reports it); None where the game names none."""
         return None
 
+    @classmethod
+    def turn_quality(cls, episode: Episode) -> dict[tuple[str, int], float]:
+        """Each turn's local quality, by (seat id, turn index): what the turn alone did for its seat, read from
+        the finished episode (IPD: the round's points of the move played minus those of the other move, against
+        the partner's move). Credit estimators are compared by how their per-turn advantages correlate with it
+        (docs/algorithms.md 4.8); empty where the game defines none."""
+        return {}
+
     def reset(self, kernel: Kernel, episode_seed: int) -> None:
         """Start a fresh episode of ``kernel``; every role's inbox starts with its system prompt."""
         if kernel.env != self.name:
@@ -342,6 +350,14 @@ class RoundGame(Env):
 
     unique_kernels: ClassVar[bool] = True
 
+    def __init__(self, reward_at_end: bool = False) -> None:
+        """``reward_at_end`` pays each seat its whole score (points / Z) after the last round and 0 after the
+        others: the same game and outcome, with credit that has to reach back over the rounds that earned it."""
+        super().__init__()
+        if not isinstance(reward_at_end, bool):
+            raise ValueError(f"reward_at_end must be true or false (got {reward_at_end!r})")
+        self.reward_at_end = reward_at_end
+
     @property
     def n_rounds(self) -> int:
         assert self.kernel is not None
@@ -417,5 +433,9 @@ class RoundGame(Env):
             self.end_reason = "rounds_complete"
         else:
             self._start_round()
-        rewards = {role: float(p / self._z(role)) for role, p in round_points.items()}
+        if self.reward_at_end:
+            paid = {role: self.points[role] if self.done else Fraction(0) for role in round_points}
+        else:
+            paid = round_points
+        rewards = {role: float(p / self._z(role)) for role, p in paid.items()}
         return StepResult(parsed, rewards, [event])

@@ -171,6 +171,16 @@ class IteratedPrisonersDilemma(RoundGame):
     def strategy_fit(cls, games: list[tuple[Episode, int]]) -> StrategyFit:
         return fit_strategy(moves_of(episode, seat) for episode, seat in games)
 
+    @classmethod
+    def turn_quality(cls, episode: Episode) -> dict[tuple[str, int], float]:
+        quality = {}
+        for seat in (0, 1):
+            own, theirs = moves_of(episode, seat)
+            for turn, move, partner in zip(episode.trajectory(f"p{seat}"), own, theirs):
+                other_move = "B" if move == "A" else "A"
+                quality[(turn.seat_id, turn.turn_index)] = float(PAYOFF[(move, partner)][0] - PAYOFF[(other_move, partner)][0])
+        return quality
+
     def view(self, role: str) -> dict[str, Any]:
         partner = other(self.roles, role)
         history = [{"own": h["moves"][role], "other": h["moves"][partner]} for h in self.history]

@@ -4,11 +4,14 @@ sequences where a seat's prompts extend each other, and single-turn batches of (
 from __future__ import annotations
 
 import itertools
+import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from repertory import algos
+from repertory.envs import env_class
 from repertory.models.packing import PackedSequence, shared_prompt
 from repertory.types import Episode
 
@@ -91,25 +94,48 @@ class Batch:
             experience.advantages = advantages[index]
             experience.returns = returns[index] if returns is not None else None
 
-    def credit_rows(self) -> list[dict[str, object]]:
-        """Each trained turn's mean advantage and final critic target, by episode, seat and turn (``credit/``)."""
-        rows: list[dict[str, object]] = []
+    def _credited(self) -> Iterator[tuple[TrajectoryRef, int, Experience]]:
+        """(trajectory, turn index, experience) of each turn the estimator gave advantages."""
         for ref in self.trajectories:
             for index in ref.samples:
                 experience = self.experience.get(index)
-                if experience is None or experience.advantages is None:
-                    continue
-                target = experience.returns
-                rows.append(
-                    {
-                        "episode_id": ref.episode.episode_id,
-                        "seat_id": ref.seat_id,
-                        "turn_index": self.samples[index].turn,
-                        "advantage": float(experience.advantages.mean()),
-                        "return": float(target[-1]) if target is not None and target.numel() else None,
-                    }
-                )
-        return rows
+                if experience is not None and experience.advantages is not None:
+                    yield ref, self.samples[index].turn, experience
+
+    def credit_rows(self) -> list[dict[str, object]]:
+        """Each trained turn's mean advantage and final critic target, by episode, seat and turn (``credit/``)."""
+        return [
+            {
+                "episode_id": ref.episode.episode_id,
+                "seat_id": ref.seat_id,
+                "turn_index": turn,
+                "advantage": float(experience.advantages.mean()),  # type: ignore[union-attr]
+                "return": float(target[-1]) if (target := experience.returns) is not None and target.numel() else None,
+            }
+            for ref, turn, experience in self._credited()
+        ]
+
+    def credit_quality(self) -> dict[str, float]:
+        """How the trained turns' advantages follow their local quality (``Env.turn_quality``, docs/algorithms.md
+        4.8): ``credit/quality_corr``, the Pearson correlation over the turns whose game defines a quality, and
+        ``credit/quality_turns``, their number; no correlation where either side is constant."""
+        qualities: dict[str, dict[tuple[str, int], float]] = {}
+        pairs = []
+        for ref, turn, experience in self._credited():
+            episode = ref.episode
+            if episode.episode_id not in qualities:
+                qualities[episode.episode_id] = env_class(episode.env).turn_quality(episode)
+            quality = qualities[episode.episode_id].get((ref.seat_id, turn))
+            if quality is not None:
+                pairs.append((quality, float(experience.advantages.mean())))  # type: ignore[union-attr]
+        if not pairs:
+            return {}
+        out = {"credit/quality_turns": float(len(pairs))}
+        try:
+            out["credit/quality_corr"] = statistics.correlation(*zip(*pairs))
+        except statistics.StatisticsError:  # fewer than two turns, or a constant side
+            pass
+        return out
 
     def estimator_inputs(self) -> list[algos.TrajectoryInput]:
         """One :class:`algos.TrajectoryInput` per trajectory (values when the batch was scored with a critic)."""

@@ -72,6 +72,7 @@ class OnlineTrainer(Trainer):
                 "tokens/sequence": seq_tokens,
                 **update,
                 **estimate_metrics,
+                **batch.credit_quality(),
                 **mismatch,
                 **timing,
                 "time/train_s": train_s,
