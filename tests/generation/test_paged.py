@@ -125,6 +125,30 @@ def test_the_paged_stream_samples_what_the_padded_stream_samples(kernel, tokeniz
     assert min(widths) == 1 and max(widths) > 1  # decode passes of one token, and of a forced chunk
 
 
+def test_prefill_passes_pad_no_more_than_the_cut():
+    assert stream.prefill_passes([50, 648, 49, 51]) == [[2, 0, 3], [1]]  # a re-prefilled chat beside short suffixes
+    assert stream.prefill_passes([1, 1, 300]) == [[0, 1], [2]]  # 2 x 299 pad tokens > 512
+    assert stream.prefill_passes([200, 300, 400]) == [[0, 1, 2]]  # 3 x 400 - 900 = 300 pad tokens
+    assert stream.prefill_passes([7]) == [[0]]
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_prefill_in_passes_samples_what_one_padded_pass_samples(kernel, tokenizer, monkeypatch, paged):
+    """Every distinct suffix length its own pass (cut 0), the passes' caches joined, against one pass for all."""
+    loaded = tiny_model(tokenizer, layers=2, hidden=72, heads=9, kv_heads=3, seed=3)
+    results, passes = {}, {}
+    for cut in (0, 10**9):
+        monkeypatch.setattr(stream, "PREFILL_PAD_TOKENS", cut)
+        backend = HFBackend(loaded, paged=paged)
+        results[cut] = _turns(tokenizer, backend)
+        passes[cut] = backend.stats.forward_passes
+    assert passes[0] > passes[10**9]
+    apart, together = results[0], results[10**9]
+    assert [g.response_ids for g in apart] == [g.response_ids for g in together]
+    gap = max(abs(a - b) for x, y in zip(apart, together) for a, b in zip(x.logp_sample, y.logp_sample))
+    assert gap < 1e-5
+
+
 def test_a_chat_takes_over_its_kept_pages_and_no_page_leaks(kernel, tokenizer):
     backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=1)
     pool = backend.pages()
