@@ -489,3 +489,24 @@ def test_craigslist_constrained_answers_are_the_price_grid_and_the_bare_actions(
     assert game.action_choices("customer") == [*grid, "<accept/>", "<reject/>", "<walkaway/>"]
     game.step({"customer": grid[4]})
     assert game.action_choices("vendor") == [*grid, "<accept/>", "<reject/>", "<walkaway/>"]
+
+
+def test_turn_quality_of_the_worked_example_is_each_proposal_as_the_deal(tmp_path):
+    from repertory.agents import ScriptAgent
+    from repertory.agents.resolve import make_agent
+    from repertory.envs import env_class
+    from repertory.rollout import EpisodeSpec, run_episodes
+
+    script = tmp_path / "vendor.txt"
+    script.write_text("\n".join([propose(200), propose('"cheap"'), propose(165), propose(165)]) + "\n")
+    customer = make_agent("bot", env_class("craigslist"))
+    (episode,) = run_episodes([EpisodeSpec("e", "craigslist", bike(), 0, [ScriptAgent(script), customer])])
+    assert episode.result.end_reason == "deal"
+    quality = Craigslist.turn_quality(episode)
+    # The vendor asks 200, 165, 165 of a 200 list price (its invalid turn has none); the customer offers 140, 150,
+    # 160 against its target of 140 (outcome (200 - price) / 60), then accepts (no proposal, no quality).
+    assert quality == pytest.approx(
+        {("p0", 0): 1.0, ("p0", 2): 0.825, ("p0", 3): 0.825, ("p1", 0): 1.0, ("p1", 1): 50 / 60, ("p1", 2): 40 / 60}
+    )
+    episode.result.end_reason = "walkaway"
+    assert Craigslist.turn_quality(episode) == {}

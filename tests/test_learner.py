@@ -9,12 +9,12 @@ import torch
 
 from repertory.agents.lm import LMAgent
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.envs import env_class
 from repertory.generation import SamplingParams
 from repertory.generation.hf import HFBackend
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
-from repertory.envs import env_class
 from repertory.train.batch import Batch, Experience, Sample, collect
 from repertory.train.learner import Learner
 from repertory.train.learner_state import load_learner, save_learner

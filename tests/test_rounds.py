@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import statistics
 
 import pyarrow as pa
@@ -938,6 +939,15 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     # Both credits start from the one warm start: the bots' grid play imitated, so self-play closes deals.
     assert {(r.warm_start.episodes, r.warm_start.epochs) for r in selfplay.values()} == {(32, 3)}
     assert len({str(warm_dir(r)) for r in selfplay.values()}) == 1
+    credit = load_suite("omar-credit-suite")
+    ipd = {name: load_config(credit.recipe, overrides) for name, overrides in suite_runs(credit)}
+    assert len(ipd) == 15 and credit.metric == "outcome"
+    # The IPD paid at the end, the same budget and 64 held-out games for every arm; token-level GAE shares the critic.
+    assert {(r.rollout.env_options["reward_at_end"], r.iterations, r.eval.episodes) for r in ipd.values()} == {
+        (True, 6, 64)
+    }
+    assert {(r.method.estimator, r.method.gamma) for r in ipd.values()} == {("omar", 0.95), ("gae", 1.0), ("grpo", 1.0)}
+    assert ipd["gae-ipd-s4"].method.critic == ipd["omar-ipd-s4"].method.critic
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
@@ -986,6 +996,26 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
     assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again
+
+
+def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_path, tokenizer):
+    recipe, records = _suite_recipe(tmp_path), tmp_path / "records"
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [st-grpo], envs: [ipd], seeds: [0, 1], "
+        f"output_dir: {tmp_path / 'grid'}, records: {records}}}\n"
+    )
+    suite = load_suite(str(suite_file))
+    table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6))
+    assert sorted(p.name for p in records.iterdir()) == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]
+    assert sorted(p.name for p in (records / "st-grpo-ipd-s0").iterdir()) == ["config.yaml", "metrics.jsonl"]
+    shutil.rmtree(tmp_path / "grid")  # a new machine: only the records came with the repository
+    shutil.rmtree(records / "st-grpo-ipd-s1")
+    started = []
+    again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: started.append(n))
+    assert started == ["st-grpo-ipd-s1"]  # the run with records is not trained again
+    assert again.cells == table.cells  # seed 0 read from its records, seed 1 trained again alike
+    assert (records / "st-grpo-ipd-s1" / "metrics.jsonl").is_file()
 
 
 def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_from_it(tmp_path, tokenizer):

@@ -4,6 +4,7 @@ suite's warm start, and the approximate exploitability of a frozen policy (8.3).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -13,14 +14,25 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from repertory.config import SuiteConfig, SuiteFile, describe_error, load_config, recipe_names, recipe_text
-from repertory.eval import evaluate, partner_outcome
+from repertory.config import (
+    ProbesConfig,
+    SuiteConfig,
+    SuiteFile,
+    TrainConfig,
+    describe_error,
+    load_config,
+    recipe_names,
+    recipe_text,
+)
+from repertory.envs import env_class
+from repertory.eval import evaluate, evaluation_lineup, partner_outcome
 from repertory.models import LoadedModel
-from repertory.report import ResultsTable, results_table
-from repertory.runs import RunDir, is_run_or_checkpoint
-from repertory.stats import bootstrap_gain, mean_se
+from repertory.report import ResultsTable, paired_contrasts, results_table
+from repertory.report.metrics import read_metrics
+from repertory.runs import RunDir, is_run_or_checkpoint, load_run_config
+from repertory.stats import bootstrap_gain, mean_se, seed_summary
 from repertory.train import Trainer, check_names, resume_run, start_run
-from repertory.types import RepertoryError, derive
+from repertory.types import Episode, RepertoryError, derive
 
 
 def load_suite(recipe: str) -> SuiteConfig | None:
@@ -65,25 +77,157 @@ def run_suite(
     on_run: Callable[[str, Trainer], None] | None = None,
     on_line: Callable[[dict[str, Any]], None] | None = None,
 ) -> ResultsTable:
-    """Train every run of the grid one after the other — a finished run is skipped, an interrupted one resumed,
-    so rerunning the suite continues it — then write ``table.md``, ``table.csv`` and ``contrasts.csv`` into the
-    output directory."""
-    runs = []
+    """Train every run of the grid one after the other — a finished run is skipped (here, or in
+    ``suite.records``), an interrupted one resumed, so rerunning the suite continues it, on this machine or
+    another — then write ``table.md``, ``table.csv`` and ``contrasts.csv`` (and with probes ``probes.md``) into
+    the output directory."""
+    runs: list[RunDir] = []
+    probed: list[dict[str, Any]] = []
+    kept = Path(suite.records or suite.output_dir)
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
-        model = loaded() if loaded is not None else None
-        if run_dir.is_run():  # a warm-started run resumes from its exported policy, not the caller's model
-            trainer = resume_run(run_dir, loaded=model if suite.warm_start is None else None)
+        recorded = RunDir(kept / name)
+        if suite.records is not None and not run_dir.is_run() and finished(recorded):
+            runs.append(recorded)
         else:
-            trainer = start_run(load_config(suite.recipe, overrides), model)
-        if on_run is not None:
-            on_run(name, trainer)
-        if trainer.iteration < trainer.config.iterations:
-            trainer.fit(on_line)
-        runs.append(run_dir)
+            _train(run_dir, load_config(suite.recipe, overrides), suite.warm_start is not None, loaded, on_run, on_line)
+            runs.append(run_dir)
+            if suite.records is not None:
+                keep_records(run_dir, kept)
+        if suite.probes is not None:
+            probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", loaded))
     table = results_table(runs, metric=suite.metric)
     table.write(Path(suite.output_dir))
+    if probed:
+        methods = [suite.method_overrides(entry)[0] for entry in suite.methods]
+        (Path(suite.output_dir) / "probes.md").write_text(probes_markdown(probed, methods))
     return table
+
+
+def _train(
+    run_dir: RunDir,
+    config: TrainConfig,
+    warm_started: bool,
+    loaded: Callable[[], LoadedModel] | None,
+    on_run: Callable[[str, Trainer], None] | None,
+    on_line: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Start, resume or leave one run of a suite; it is finished on return."""
+    model = loaded() if loaded is not None else None
+    if run_dir.is_run():  # a warm-started run resumes from its exported policy, not the caller's model
+        trainer = resume_run(run_dir, loaded=None if warm_started else model)
+    else:
+        trainer = start_run(config, model)
+    if on_run is not None:
+        on_run(run_dir.name, trainer)
+    if trainer.iteration < trainer.config.iterations:
+        trainer.fit(on_line)
+
+
+RECORDS = ("config.yaml", "metrics.jsonl")
+"""A finished run's small records: enough for a results table on any machine (checkpoints and episodes stay)."""
+
+
+def finished(run: RunDir) -> bool:
+    """Whether ``run`` (a run, or a run's records) holds the metrics of every iteration its config asks for, and
+    of its final evaluation."""
+    if not run.is_run() or not run.metrics.is_file():
+        return False
+    config, lines = load_run_config(run.config), read_metrics(run)
+    trained = max((int(line["iteration"]) for line in lines), default=-1) + 1 >= config.iterations
+    evaluated = config.eval.episodes == 0 or any(key.startswith("final/") for line in lines for key in line)
+    return trained and evaluated
+
+
+def keep_records(run: RunDir, records: Path) -> None:
+    """Copy a finished run's :data:`RECORDS` into ``records/<run>/``."""
+    target = records / run.name
+    target.mkdir(parents=True, exist_ok=True)
+    for name in RECORDS:
+        shutil.copyfile(run / name, target / name)
+
+
+def probe_run(
+    run_dir: RunDir, probes: ProbesConfig, path: Path, loaded: Callable[[], LoadedModel] | None = None
+) -> dict[str, Any]:
+    """Probe a finished run's last policy (see :class:`ProbesConfig`) on held-out games that every arm of its seed
+    shares; the record, kept at ``path`` so that a continued suite probes each run once."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    if not (run_dir / "checkpoints").is_dir():
+        raise RepertoryError(f"{run_dir} has no checkpoint to probe (only its records) and no probe record at {path}")
+    config = load_run_config(run_dir.config)
+    env, seed = config.rollout.env, derive(config.seed, "probe")
+    record: dict[str, Any] = {"run": run_dir.name, "method": config.method_name, "env": env, "seed": config.seed}
+    games: list[tuple[Episode, int]] = []
+    for partner in ["self", *probes.partners]:
+        agent, opponent, _ = evaluation_lineup(str(run_dir.root), env, partner, config.seed)
+        result = evaluate(
+            env, agent, probes.episodes, seed, "heldout", opponent, env_options=config.rollout.env_options
+        )
+        games += [(episode, s) for episode, own in zip(result.played, result.seats) for s in own]
+        if opponent is None:
+            record["selfplay"] = {"outcome": result.overall[0], "se": result.overall[1]}
+        else:
+            taken = partner_outcome(result)
+            record.setdefault("partners", {})[partner] = {
+                "outcome": result.overall[0],
+                "se": result.overall[1],
+                "partner": taken[0],
+                "partner_se": taken[1],
+            }
+    fit = env_class(env).strategy_fit(games)
+    record["strategy"] = fit.to_json() if fit is not None else None
+    if probes.exploiters:
+        exploiters = path.parent.parent / "exploiters" / run_dir.name
+        record["exploit"] = exploitability(
+            env, str(run_dir.root), probes.exploiter_iterations, probes.exploiters, probes.episodes, exploiters,
+            probes.exploiter_set, loaded,
+        ).to_json()  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1))
+    temporary.replace(path)
+    return record
+
+
+def probe_scores(record: dict[str, Any]) -> dict[str, float]:
+    """A probe record's numbers, by the label of their table."""
+    scores = {"self-play outcome": record["selfplay"]["outcome"]}
+    for partner, result in record.get("partners", {}).items():
+        scores[f"outcome against {partner}"] = result["outcome"]
+        scores[f"{partner}'s outcome against it"] = result["partner"]
+    if "exploit" in record:
+        scores["exploiter gain"] = record["exploit"]["gain"]
+    return scores
+
+
+def probes_markdown(records: list[dict[str, Any]], methods: list[str]) -> str:
+    """``probes.md``: a table per probe (arms × environments, mean ± SE over seeds, arms paired by seed), then
+    each run's closest classic strategy and, with exploiters, the bootstrap test of each victim's exploitability."""
+    per_probe: dict[str, dict[tuple[str, str], dict[int, float]]] = {}
+    for record in records:
+        for label, value in probe_scores(record).items():
+            per_probe.setdefault(label, {}).setdefault((record["method"], record["env"]), {})[record["seed"]] = value
+    parts = []
+    for label, per_seed in per_probe.items():
+        cells = {key: (*seed_summary(list(scores.values())), len(scores)) for key, scores in per_seed.items()}
+        arms = [m for m in methods if any(m == method for method, _ in cells)]
+        envs = sorted({env for _, env in cells})
+        table = ResultsTable(envs, arms, cells, "last", label, contrasts=paired_contrasts(per_seed, arms))
+        parts.append(f"## {label}, mean ± SE over seeds\n\n{table.markdown()}")
+    lines = ["| run | closest strategy (agreement) | exploiter gain (one-sided 95% bound, p) |", "|---|---|---|"]
+    for record in records:
+        fit, exploit = record.get("strategy"), record.get("exploit")
+        closest = f"{fit['closest']} ({fit['agreement'][fit['closest']]:.3f})" if fit else "—"
+        gain = (
+            f"{exploit['gain']:+.3f} ({exploit['gain_lower_bound']:+.3f}, p {exploit['gain_p']:.3f})"
+            if exploit
+            else "—"
+        )
+        lines.append(f"| {record['run']} | {closest} | {gain} |")
+    parts.append("## each run\n\n" + "\n".join(lines) + "\n")
+    return "\n".join(parts)
 
 
 def exploit_gain_loss(

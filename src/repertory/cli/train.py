@@ -171,3 +171,5 @@ def _train_suite(suite, quiet: bool) -> None:
     table = run_suite(suite, on_run=on_run, on_line=on_line)
     out.print(table.markdown())
     out.print(f"wrote {suite.output_dir}/table.md, table.csv and contrasts.csv")
+    if suite.probes is not None:
+        out.print(f"probes of each run: {suite.output_dir}/probes.md (records in {suite.output_dir}/probes/)")

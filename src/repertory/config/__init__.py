@@ -43,6 +43,7 @@ from repertory.config.sections import (
     JudgeConfig,
     LoraConfig,
     ModelConfig,
+    ProbesConfig,
     RolloutConfig,
     WandbConfig,
     WarmStartConfig,
@@ -266,6 +267,15 @@ class SuiteConfig(_Section):
     warm_start: WarmStartConfig | None = Field(
         None, description="Every run starts from its environment's warm start (see WarmStartConfig), built once."
     )
+    records: str | None = Field(
+        None,
+        description="A directory for each finished run's small records (RUN/config.yaml, RUN/metrics.jsonl and the "
+        "probes' probes/RUN.json), kept in a repository: a run finished there is not trained again and the table reads "
+        "it, so a suite continues on another machine.",
+    )
+    probes: ProbesConfig | None = Field(
+        None, description="What each finished run's policy is probed for besides its score (see ProbesConfig)."
+    )
 
     @field_validator("methods")
     @classmethod
@@ -465,6 +475,7 @@ __all__ = [
     "SuiteFile",
     "TrainConfig",
     "WandbConfig",
+    "ProbesConfig",
     "WarmStartConfig",
     "describe_error",
     "dump_config",

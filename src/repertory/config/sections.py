@@ -290,3 +290,21 @@ class WarmStartConfig(_Section):
     episodes: int = Field(24, ge=1, description="Bot-vs-bot demonstrations.")
     epochs: int = Field(2, ge=1, description="mt-sft passes over the demonstrations.")
     lr: float = Field(2.0e-4, gt=0, description="Learning rate of the warm start.")
+
+
+class ProbesConfig(_Section):
+    """What a suite measures of each finished run's last policy besides its table score, on held-out kernels and
+    the same games for every arm of a seed: its self-play outcome, what each partner (a bot: always-defect is
+    what a greedy agent takes) scores against it, the classic strategy its moves agree with most, and what
+    exploiters trained against it gain (Advantage Alignment's claims, docs/algorithms.md 8.3). Written once per
+    run to ``<output_dir>/probes/<run>.json``; the suite's ``probes.md`` compares arms paired by seed."""
+
+    episodes: int = Field(64, ge=1, description="Held-out games of each probe: self-play, and each partner.")
+    partners: list[str] = Field(default_factory=list, description="Agents each policy plays, e.g. [always-defect].")
+    exploiters: list[int] = Field(
+        default_factory=list, description="Seeds of the exploiters trained against each policy (none: no exploiter)."
+    )
+    exploiter_iterations: int = Field(2, ge=1, description="Training iterations of each exploiter.")
+    exploiter_set: list[str] = Field(
+        default_factory=list, description="key=value overrides of the exploiters' recipe (naive-ENV where shipped)."
+    )

@@ -178,7 +178,9 @@ class IteratedPrisonersDilemma(RoundGame):
             own, theirs = moves_of(episode, seat)
             for turn, move, partner in zip(episode.trajectory(f"p{seat}"), own, theirs):
                 other_move = "B" if move == "A" else "A"
-                quality[(turn.seat_id, turn.turn_index)] = float(PAYOFF[(move, partner)][0] - PAYOFF[(other_move, partner)][0])
+                quality[(turn.seat_id, turn.turn_index)] = float(
+                    PAYOFF[(move, partner)][0] - PAYOFF[(other_move, partner)][0]
+                )
         return quality
 
     def view(self, role: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from repertory.envs.base import Env, KeyMetric, fmt, other
 from repertory.envs.parsing import PayloadError, TagMatch, clean, find_tags, last_tag
-from repertory.types import Action, Parsed, StepResult
+from repertory.types import Action, Episode, Parsed, StepResult
 
 Offer = dict[str, Any]
 """A proposal's validated content in canonical form (JSON-ready: ints and strings only)."""
@@ -249,6 +249,26 @@ class Negotiation(Env):
             "rejected": "The proposal was rejected; the pool is destroyed.",
             "limit": self.limit_text,
         }[self.end_reason]
+
+    @classmethod
+    def turn_quality(cls, episode: Episode) -> dict[tuple[str, int], float]:
+        """Each valid proposal of a game that closed a deal: the outcome its proposer would get were it the deal
+        (Craigslist: a vendor's asking price over the list price). A deal shows what the partner would take, so
+        within it asking for more was better; other turns, and games without a deal, have no quality."""
+        if episode.result.end_reason != "deal":
+            return {}
+        env = cls()
+        env.reset(episode.kernel, episode.episode_seed)
+        names = {seat.seat_id: seat.name for seat in episode.seats}
+        quality = {}
+        for turn in episode.turns:
+            if turn.action is not None and turn.action.tag == "propose" and not turn.invalid:
+                role = names[turn.seat_id]
+                share = Fraction(env.deal_points(role, Standing(role, turn.action.value))) / Fraction(
+                    env.max_points(role)
+                )
+                quality[(turn.seat_id, turn.turn_index)] = float(min(1, max(0, share)))
+        return quality
 
     def outcome(self, role: str) -> float:
         if self.deal is None and self.end_reason != "walkaway":
