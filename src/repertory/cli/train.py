@@ -172,4 +172,6 @@ def _train_suite(suite, quiet: bool) -> None:
     out.print(table.markdown())
     out.print(f"wrote {suite.output_dir}/table.md, table.csv and contrasts.csv")
     if suite.probes is not None:
-        out.print(f"probes of each run: {suite.output_dir}/probes.md (records in {suite.output_dir}/probes/)")
+        out.print(
+            f"probes of each run: {suite.output_dir}/probes.md (records in {suite.records or suite.output_dir}/probes/)"
+        )

@@ -297,7 +297,8 @@ class ProbesConfig(_Section):
     the same games for every arm of a seed: its self-play outcome, what each partner (a bot: always-defect is
     what a greedy agent takes) scores against it, the classic strategy its moves agree with most, and what
     exploiters trained against it gain (Advantage Alignment's claims, docs/algorithms.md 8.3). Written once per
-    run to ``<output_dir>/probes/<run>.json``; the suite's ``probes.md`` compares arms paired by seed."""
+    run to ``probes/<run>.json`` under ``suite.records`` (else ``output_dir``); the suite's ``probes.md`` compares
+    arms paired by seed."""
 
     episodes: int = Field(64, ge=1, description="Held-out games of each probe: self-play, and each partner.")
     partners: list[str] = Field(default_factory=list, description="Agents each policy plays, e.g. [always-defect].")

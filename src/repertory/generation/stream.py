@@ -83,15 +83,14 @@ def prefill_passes(lengths: Sequence[int]) -> list[list[int]]:
     """Indices of the suffix ``lengths`` in prefill passes, shortest first: a pass grows while padding all its
     suffixes to the longest adds at most :data:`PREFILL_PAD_TOKENS`."""
     passes: list[list[int]] = []
+    tokens = 0  # the last pass's real suffix tokens
     for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        last = passes[-1] if passes else None
-        if (
-            last is not None
-            and (len(last) + 1) * lengths[i] - sum(lengths[j] for j in last) - lengths[i] <= PREFILL_PAD_TOKENS
-        ):
-            last.append(i)
+        if passes and (len(passes[-1]) + 1) * lengths[i] - tokens - lengths[i] <= PREFILL_PAD_TOKENS:
+            passes[-1].append(i)
+            tokens += lengths[i]
         else:
             passes.append([i])
+            tokens = lengths[i]
     return passes
 
 
