@@ -567,7 +567,7 @@ def test_register_a_new_estimator():
         spec = get_estimator("constant-test")
         assert spec.fn is constant and spec.whiten and not spec.needs_critic
     finally:
-        del ESTIMATORS["constant-test"]
+        ESTIMATORS.remove("constant-test")
 
 
 def test_bad_input_is_refused():

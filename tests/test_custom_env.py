@@ -103,10 +103,11 @@ class GuessTheNumber(Env):
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    monkeypatch.setitem(envs._REGISTRY, "guess", GuessTheNumber)
+def registered():
+    envs.register_env(GuessTheNumber)
     _load.cache_clear()
     yield
+    envs._REGISTRY.remove("guess")
     _load.cache_clear()
 
 

@@ -10,6 +10,9 @@ from typing import Literal
 import pytest
 from pydantic import Field
 
+from repertory import envs
+from repertory.algos import ESTIMATORS
+from repertory.algos.losses import POLICY_LOSSES
 from repertory.config import (
     METHOD_CONFIGS,
     RoundMethodConfig,
@@ -18,15 +21,16 @@ from repertory.config import (
     load_config,
     register_method_config,
 )
-from repertory.config.methods import EPOCHS
+from repertory.config.methods import EPOCHS, online_kinds
+from repertory.generation import BACKENDS
 from repertory.models import load_tokenizer, tiny_model
 from repertory.runs import RunDir
 from repertory.store.turns import LoggedTurn
-from repertory.train import resume_run, start_run
+from repertory.train import check_names, resume_run, start_run
 from repertory.train.batch import single_turn_batch
 from repertory.train.methods import METHODS, OnlineMethod, RoundMethod, register_method
 from repertory.train.turns import conversation_of, conversations, first_return
-from repertory.types import RepertoryError
+from repertory.types import Registry, RepertoryError
 
 OLD = Path(__file__).parent / "data" / "old_configs"  # full config.yaml files written before the method section
 
@@ -42,6 +46,18 @@ def test_every_kind_has_a_config_and_a_registered_class():
         rounds = issubclass(METHOD_CONFIGS[kind], RoundMethodConfig)
         assert issubclass(cls, RoundMethod if rounds else OnlineMethod), kind
         assert cls.kind == kind == METHOD_CONFIGS[kind].model_fields["kind"].default
+
+
+def test_one_registry_class_behind_every_pluggable_kind():
+    registries = [(METHODS, "method"), (METHOD_CONFIGS, "method config"), (ESTIMATORS, "estimator")]
+    registries += [(POLICY_LOSSES, "policy loss"), (BACKENDS, "generation backend"), (envs._REGISTRY, "environment")]
+    assert all(isinstance(r, Registry) and r.what == what for r, what in registries)
+    with pytest.raises(RepertoryError, match=r"^unknown policy loss 'nope'; known: ppo, reinforce, tis$"):
+        POLICY_LOSSES.remove("nope")
+    assert "nope" not in BACKENDS and BACKENDS.get("nope") is None and list(BACKENDS) == ["hf", "vllm"]
+    assert online_kinds() == ["selfplay", "adalign"]  # derived from the configs, not listed by hand
+    with pytest.raises(RepertoryError, match=r"^method\.kind: unknown method 'loo'; known: adalign, archer, "):
+        check_names(load_config(None, ["method.kind=selfplay"]).model_copy(update={"method": LooConfig()}))
 
 
 def test_a_run_config_holds_only_its_methods_settings():
@@ -91,8 +107,6 @@ class LooConfig(RoundMethodConfig):
 
 
 class Loo(RoundMethod):
-    kind = "loo"
-
     def improve(self, ctx, round_index, turns, episodes):
         convos = conversations(turns)
         g0 = {e: first_return(c, self.config.gamma) for e, c in convos.items()}
@@ -110,10 +124,10 @@ class Loo(RoundMethod):
 
 @pytest.fixture
 def loo():
-    register_method_config(LooConfig)
-    register_method(Loo)
+    register_method(LooConfig)(Loo)  # the config joins the method section with it
     yield
-    del METHODS["loo"], METHOD_CONFIGS["loo"]
+    METHODS.remove("loo")
+    METHOD_CONFIGS.remove("loo")
     _rebuild_method_union()
 
 
@@ -144,8 +158,11 @@ def test_a_new_method_is_one_file_its_config_and_a_test(loo, tokenizer, tmp_path
     # A_i = G_i - mean of the others: 1 - 0.25, 0 - 0.75, 0.5 - 0.5.
     assert captured["advantages"] == pytest.approx([0.75, -0.75, 0.0])
     assert "loss/policy" in metrics
+    assert Loo.kind == "loo"
     with pytest.raises(RepertoryError, match="method config 'loo' is already registered"):
         register_method_config(LooConfig)
+    with pytest.raises(RepertoryError, match="method 'loo' is already registered"):
+        register_method(LooConfig)(Loo)
 
 
 # configs and checkpoints written before the method section

@@ -948,6 +948,13 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     }
     assert {(r.method.estimator, r.method.gamma) for r in ipd.values()} == {("omar", 0.95), ("gae", 1.0), ("grpo", 1.0)}
     assert ipd["gae-ipd-s4"].method.critic == ipd["omar-ipd-s4"].method.critic
+    claims = load_suite("adalign-claims-suite")
+    matches = {name: load_config(claims.recipe, overrides) for name, overrides in suite_runs(claims)}
+    # Five seeds of the three credits, 32 matches an update at half results 24's learning rate, one warm start.
+    assert len(matches) == 15 and claims.records == "docs/records/results-38"
+    assert {(r.rollout.kernels_per_iteration, r.algo.lr, r.iterations) for r in matches.values()} == {(32, 2.5e-4, 6)}
+    assert len({str(warm_dir(r)) for r in matches.values()}) == 1
+    assert (claims.probes.partners, claims.probes.exploiters, claims.probes.episodes) == (["always-defect"], [0], 64)
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):

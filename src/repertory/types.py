@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 ChatRole = Literal["system", "user", "assistant"]
 Split = Literal["train", "heldout", "validation"]
@@ -294,3 +295,48 @@ class Episode:
 
 class RepertoryError(Exception):
     """A user-facing error: bad names, bad input files, bad counts. The message says what to do."""
+
+
+Entry = TypeVar("Entry")
+
+
+class Registry(Mapping[str, Entry], Generic[Entry]):
+    """Entries of one kind by name (methods, estimators, policy losses, generation backends, environments): a
+    name is taken once, and an unknown name's error lists the known ones. Read it as a mapping."""
+
+    def __init__(self, what: str, entries: Mapping[str, Entry] | None = None):
+        self.what = what
+        self._entries: dict[str, Entry] = dict(entries or {})
+
+    def add(self, name: str, entry: Entry) -> Entry:
+        """Register ``entry`` as ``name``; a name already taken is an error."""
+        if name in self._entries:
+            raise RepertoryError(f"{self.what} {name!r} is already registered")
+        self._entries[name] = entry
+        return entry
+
+    def decorator(self, name: str) -> Callable[[Entry], Entry]:
+        """``@registry.decorator(name)`` registers what it decorates and returns it unchanged."""
+        return lambda entry: self.add(name, entry)
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (a test's or a notebook's entry)."""
+        self[name]  # noqa: B018 - an unknown name raises the registry's error
+        del self._entries[name]
+
+    def __getitem__(self, name: str) -> Entry:
+        if name not in self._entries:
+            raise RepertoryError(f"unknown {self.what} {name!r}; known: {', '.join(sorted(self._entries))}")
+        return self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self._entries.get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from repertory.stats import mean as _mean
 from repertory.stats import std as _std
-from repertory.types import RepertoryError
+from repertory.types import Registry, RepertoryError
 
 # ----------------------------------------------------------------------------------------------------------
 # Data in and out
@@ -155,7 +155,7 @@ class EstimatorSpec:
     family: str
 
 
-ESTIMATORS: dict[str, EstimatorSpec] = {}
+ESTIMATORS: Registry[EstimatorSpec] = Registry("estimator")
 
 
 def register_estimator(
@@ -165,16 +165,13 @@ def register_estimator(
     name it is bound to) sees ``params.gamma`` resolved: unset, it is this estimator's ``gamma``."""
 
     def decorate(fn: Estimator) -> Estimator:
-        if name in ESTIMATORS:
-            raise RepertoryError(f"estimator {name!r} is already registered")
-
         def resolved(trajectories: list[TrajectoryInput], params: Any, state: dict) -> Estimate:
             if params.gamma is None:
                 params = params.model_copy(update={"gamma": gamma})
             return fn(trajectories, params, state)
 
         resolved.__doc__, resolved.__name__ = fn.__doc__, fn.__name__
-        ESTIMATORS[name] = EstimatorSpec(name, resolved, needs_critic, whiten, gamma, family)
+        ESTIMATORS.add(name, EstimatorSpec(name, resolved, needs_critic, whiten, gamma, family))
         return resolved
 
     return decorate
@@ -182,8 +179,6 @@ def register_estimator(
 
 def get_estimator(name: str) -> EstimatorSpec:
     """The registered estimator called ``name``."""
-    if name not in ESTIMATORS:
-        raise RepertoryError(f"unknown estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
     return ESTIMATORS[name]
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from repertory.algos import AGGREGATIONS
-from repertory.types import RepertoryError
+from repertory.types import Registry, RepertoryError
 
 
 def policy_loss(
@@ -115,6 +115,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
 # Aggregation (2.7)
 # ----------------------------------------------------------------------------------------------------------
 
+
 def aggregation_weights(sample_lengths: list[int], mode: str, *, dtype: torch.dtype = torch.float32) -> Tensor:
     """Per-token weights, concatenated in sample order, with sum(weights * l) = the aggregation of l over the
     whole mini-batch. Slice them per micro-batch: N_tok and the sample count stay those of the mini-batch,
@@ -161,25 +162,16 @@ class PolicyTerms:
 PolicyLoss = Callable[[Tensor, Tensor, Tensor, Any], PolicyTerms]
 """(log-probs now, log-probs at sampling, advantages, the ``algo`` config) -> :class:`PolicyTerms`."""
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator adding a policy loss to :data:`POLICY_LOSSES` under ``name`` (select it with ``algo.policy_loss``)."""
-
-    def decorate(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise RepertoryError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.decorator(name)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The registered policy loss called ``name``."""
-    if name not in POLICY_LOSSES:
-        raise RepertoryError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
 
 

@@ -35,6 +35,7 @@ from repertory.config.methods import (
     RoundMethodConfig,
     SelfPlayConfig,
     STGRPOConfig,
+    method_kind,
     round_kinds,
 )
 from repertory.config.sections import (
@@ -224,12 +225,7 @@ class TrainConfig(_Section):
 def register_method_config(cls: type[BaseModel]) -> type[BaseModel]:
     """Class decorator adding a method's config to the ``method`` section (its ``kind`` default names it): a
     round method's extends :class:`RoundMethodConfig`. The built-in ones are the union's members already."""
-    kind = cls.model_fields["kind"].default if "kind" in cls.model_fields else None
-    if not isinstance(kind, str):
-        raise RepertoryError(f"{cls.__name__} needs a kind: Literal[...] field with its name as the default")
-    if kind in METHOD_CONFIGS:
-        raise RepertoryError(f"method config {kind!r} is already registered")
-    METHOD_CONFIGS[kind] = cls
+    METHOD_CONFIGS.add(method_kind(cls), cls)
     _rebuild_method_union()
     return cls
 
@@ -483,6 +479,7 @@ __all__ = [
     "recipe_name",
     "recipe_names",
     "recipe_text",
+    "method_kind",
     "register_method_config",
     "round_kinds",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from repertory.algos import ESTIMATORS
-from repertory.config.methods import METHOD_CONFIGS, ONLINE_KINDS
+from repertory.config.methods import METHOD_CONFIGS, online_kinds
 from repertory.types import RepertoryError
 
 OLD_SECTIONS = ("trainer", "rounds", "critic", "pool")
@@ -94,7 +94,7 @@ def translate_override(path: list[str], value: Any, data: dict[str, Any]) -> lis
     key = tuple(path)
     if key == ("trainer",):
         _check_trainer(value)
-        rounds = kind_of(data) not in ONLINE_KINDS
+        rounds = kind_of(data) not in online_kinds()
         if value == "rounds" and not rounds:
             return [(["method", "kind"], "igrpo")]
         if value == "online" and rounds:
@@ -129,7 +129,7 @@ def _old_kind(data: dict[str, Any]) -> str:
 
 def _gamma_sources(kind: str, estimator: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The old keys that held this method's discount per turn and per token."""
-    if kind not in ONLINE_KINDS:
+    if kind not in online_kinds():
         return ("rounds", "gamma"), ("algo", "gamma")
     if kind == "adalign":
         return ("algo", "round_gamma"), ("algo", "gamma_token")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from repertory.algos import AlignmentParams, GaeParams, TurnParams
 from repertory.config.sections import AdapterConfig, _Section
+from repertory.types import Registry, RepertoryError
 
 
 class CriticConfig(_Section):
@@ -223,11 +224,24 @@ MethodConfig = Annotated[
 ]
 """The ``method`` section: its ``kind`` picks the class."""
 
-METHOD_CONFIGS: dict[str, type[BaseModel]] = {
-    cls.model_fields["kind"].default: cls for cls in get_args(get_args(MethodConfig)[0])
-}
+
+def method_kind(cls: type[BaseModel]) -> str:
+    """The kind a method config names (its ``kind`` field's default)."""
+    kind = cls.model_fields["kind"].default if "kind" in cls.model_fields else None
+    if not isinstance(kind, str):
+        raise RepertoryError(f"{cls.__name__} needs a kind: Literal[...] field with its name as the default")
+    return kind
+
+
+METHOD_CONFIGS: Registry[type[BaseModel]] = Registry(
+    "method config", {method_kind(cls): cls for cls in get_args(get_args(MethodConfig)[0])}
+)
 """Every method config by kind: the union's members, then any added with ``config.register_method_config``."""
-ONLINE_KINDS = ("selfplay", "adalign")  # the built-in online methods (the old shape's ``trainer: online``)
+
+
+def online_kinds() -> list[str]:
+    """The kinds of the registered online methods (the old config shape's ``trainer: online``)."""
+    return [kind for kind, cls in METHOD_CONFIGS.items() if not issubclass(cls, RoundMethodConfig)]
 
 
 def round_kinds() -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 from repertory.envs.base import Bot, Env, KeyMetric, RoundGame
 from repertory.envs.kernels import check_split, generate_kernels, kernels_of, write_kernels
 from repertory.envs.phased import PhasedGame
-from repertory.types import Kernel, RepertoryError
+from repertory.types import Kernel, Registry, RepertoryError
 
 _BUILTIN: dict[str, str] = {
     "ipd": "ipd:IteratedPrisonersDilemma",
@@ -34,16 +34,16 @@ _BUILTIN: dict[str, str] = {
 }
 _ADAPTERS: dict[str, str] = {"textarena:": "textarena:textarena_env"}
 """Name prefix -> ``module:factory`` that builds the environment class of a prefixed name."""
-_REGISTRY: dict[str, type[Env]] = {}
+_REGISTRY: Registry[type[Env]] = Registry("environment")
 
 
 def register_env(cls: type[Env]) -> type[Env]:
-    """Class decorator: make ``cls`` available as ``make(cls.name)``."""
-    taken = _REGISTRY.get(cls.name)
-    if (taken is not None and taken is not cls) or (taken is None and cls.name in _BUILTIN and not _is_builtin(cls)):
-        raise ValueError(f"environment {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
+    """Class decorator: make ``cls`` available as ``make(cls.name)`` (a built-in game's name stays its own)."""
+    if _REGISTRY.get(cls.name) is cls:
+        return cls
+    if cls.name in _BUILTIN and cls.name not in _REGISTRY and not _is_builtin(cls):
+        raise RepertoryError(f"environment {cls.name!r} is already registered")
+    return _REGISTRY.add(cls.name, cls)
 
 
 def _is_builtin(cls: type[Env]) -> bool:
@@ -70,10 +70,9 @@ def env_class(name: str) -> type[Env]:
         if name not in _REGISTRY and name.startswith(prefix):
             module, attr = target.split(":")
             return getattr(import_module(f"{__name__}.{module}"), attr)(name)
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise RepertoryError(f"unknown environment {name!r}; known: {', '.join(env_names())}") from None
+    if name not in _REGISTRY:  # the built-in games are named even before they are imported
+        raise RepertoryError(f"unknown environment {name!r}; known: {', '.join(env_names())}")
+    return _REGISTRY[name]
 
 
 def make(name: str, **options: Any) -> Env:

@@ -13,7 +13,7 @@ from typing import Any
 
 from repertory.generation.core import Backend, Generation, GenerationStats, SamplingParams, TokenTrie
 from repertory.models import LoadedModel
-from repertory.types import RepertoryError
+from repertory.types import Registry, RepertoryError
 
 HF_OPTIONS = ("kv_memory_mb", "max_batch", "prefix_cache_tokens", "precision", "paged", "kv_dtype")
 
@@ -55,14 +55,12 @@ def _vllm(loaded: LoadedModel, **options: Any) -> Backend:
     return VLLMBackend(loaded, **options)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"hf": _hf, "vllm": _vllm}
+BACKENDS: Registry[Callable[..., Backend]] = Registry("generation backend", {"hf": _hf, "vllm": _vllm})
 """Engine name (``rollout.backend``) -> factory of a backend for a loaded policy."""
 
 
 def make_backend(kind: str, loaded: LoadedModel, **options: Any) -> Backend:
     """The ``kind`` engine sampling ``loaded`` (``options`` go to the engine, e.g. ``max_batch`` for hf)."""
-    if kind not in BACKENDS:
-        raise RepertoryError(f"unknown generation backend {kind!r}; known: {', '.join(sorted(BACKENDS))}")
     return BACKENDS[kind](loaded, **options)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from repertory.agents.resolve import spec_kind
-from repertory.algos.losses import get_policy_loss
+from repertory.algos.losses import POLICY_LOSSES
 from repertory.config import TrainConfig, dump_config
 from repertory.envs import env_class, load_kernels
 from repertory.generation import BACKENDS
@@ -33,16 +33,15 @@ from repertory.types import RepertoryError
 def check_names(config: TrainConfig) -> None:
     """Every registry name in ``config`` is registered and every line-up agent resolves (one line naming the known
     ones otherwise), before any model loads."""
-    if config.method.kind not in METHODS:
-        known = ", ".join(sorted(METHODS))
-        raise RepertoryError(f"method.kind: no method registered as {config.method.kind!r}; known: {known}")
-    if config.rollout.backend not in BACKENDS:
-        known = ", ".join(sorted(BACKENDS))
-        raise RepertoryError(f"rollout.backend: unknown generation backend {config.rollout.backend!r}; known: {known}")
-    try:
-        get_policy_loss(config.algo.policy_loss)
-    except RepertoryError as exc:
-        raise RepertoryError(f"algo.policy_loss: {exc}") from None
+    for key, registry, name in [
+        ("method.kind", METHODS, config.method.kind),
+        ("rollout.backend", BACKENDS, config.rollout.backend),
+        ("algo.policy_loss", POLICY_LOSSES, config.algo.policy_loss),
+    ]:
+        try:
+            registry[name]
+        except RepertoryError as exc:
+            raise RepertoryError(f"{key}: {exc}") from None
     if config.selects_on_validation:  # before training, not at the first validation evaluation
         try:
             load_kernels(config.rollout.env, "validation", config.rollout.env_options)

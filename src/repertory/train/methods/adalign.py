@@ -15,11 +15,10 @@ from repertory.train.methods.selfplay import SelfPlay
 from repertory.train.pool import OpponentPool
 
 
-@register_method
+@register_method(AdAlignConfig)
 class AdvantageAlignment(SelfPlay):
     """Self-play with the Advantage Alignment family's credit and, when the line-up asks for it, its pool."""
 
-    kind = "adalign"
     config: AdAlignConfig  # type: ignore[assignment]
 
     def __init__(self, config: Any, seed: int):

@@ -56,12 +56,11 @@ def transitions(turns: list[LoggedTurn], gamma: float) -> list[Transition]:
     return out
 
 
-@register_method
+@register_method(ArcherConfig)
 class Archer(RoundMethod):
     """A critic pass over the replay buffer of every round's transitions (two in round 0), then an actor pass over
     this round's states with fresh samples a_pi and A = min Q - min V."""
 
-    kind = "archer"
     config: ArcherConfig
 
     def __init__(self, config: Any, seed: int, initial: LoadedModel, device: str | None):
@@ -176,9 +175,8 @@ class Archer(RoundMethod):
         return loss, advantages
 
 
-@register_method
+@register_method(ArcherLCConfig)
 class ArcherLC(Archer):
     """ArCHer with a LoRA critic backbone of the Q-function's size."""
 
-    kind = "archer-lc"
     config: ArcherLCConfig  # type: ignore[assignment]

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from repertory.config import AlgoConfig, CriticConfig, MethodConfig
+from pydantic import BaseModel
+
+from repertory.config import METHOD_CONFIGS, AlgoConfig, CriticConfig, MethodConfig, method_kind, register_method_config
 from repertory.envs import Env
 from repertory.envs.replay import replay
 from repertory.generation import Backend, Generation, SamplingParams, TokenTrie
@@ -25,7 +27,7 @@ from repertory.store.turns import LoggedTurn
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.turns import read_turns
-from repertory.types import Episode, RepertoryError, derive
+from repertory.types import Episode, Registry, RepertoryError, derive
 
 
 class Method:
@@ -141,21 +143,28 @@ class RoundMethod(Method):
         raise NotImplementedError
 
 
-METHODS: dict[str, type[Method]] = {}
+METHODS: Registry[type[Method]] = Registry("method")
+M = TypeVar("M", bound=type[Method])
 
 
-def register_method(cls: type[Method]) -> type[Method]:
-    """Class decorator adding a method to :data:`METHODS` under its ``kind``."""
-    if cls.kind in METHODS:
-        raise RepertoryError(f"method {cls.kind!r} is already registered")
-    METHODS[cls.kind] = cls
-    return cls
+def register_method(config: type[BaseModel]) -> Callable[[M], M]:
+    """Class decorator ``@register_method(ItsConfig)``: the method of the kind ``ItsConfig`` names, which joins the
+    ``method`` section unless it is a built-in config (a round method's extends ``RoundMethodConfig``)."""
+    kind = method_kind(config)
+
+    def decorate(cls: M) -> M:
+        if kind in METHODS:
+            raise RepertoryError(f"method {kind!r} is already registered")
+        if METHOD_CONFIGS.get(kind) is not config:
+            register_method_config(config)
+        cls.kind = kind
+        return METHODS.add(kind, cls)
+
+    return decorate
 
 
 def build_method(config: MethodConfig, seed: int, initial: LoadedModel, device: str | None) -> Method:
     """The registered method of ``config.kind``, with its own modules built (before the learner wraps the model)."""
-    if config.kind not in METHODS:
-        raise RepertoryError(f"method.kind: no method registered as {config.kind!r}; known: {', '.join(METHODS)}")
     cls = METHODS[config.kind]
     if issubclass(cls, RoundMethod):
         return cls(config, seed, initial, device)

@@ -27,11 +27,10 @@ from repertory.types import Episode, RepertoryError, derive
 Q_FILE = "q.safetensors"
 
 
-@register_method
+@register_method(IGRPOConfig)
 class IGRPO(RoundMethod):
     """Q-function fit, then single-turn GRPO over the logged states with Q as the reward."""
 
-    kind = "igrpo"
     config: IGRPOConfig
 
     def __init__(self, config: Any, seed: int, initial: LoadedModel, device: str | None):

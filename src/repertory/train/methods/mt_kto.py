@@ -17,11 +17,10 @@ from repertory.train.turns import conversation_of, conversations, first_return, 
 from repertory.types import Episode, derive
 
 
-@register_method
+@register_method(MTKTOConfig)
 class MTKTO(RoundMethod):
     """KTO on conversation-level labels."""
 
-    kind = "mt-kto"
     config: MTKTOConfig
 
     def improve(

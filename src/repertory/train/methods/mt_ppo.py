@@ -18,11 +18,10 @@ from repertory.train.methods.selfplay import assign_advantages
 from repertory.types import Episode
 
 
-@register_method
+@register_method(MTPPOConfig)
 class MTPPO(RoundMethod):
     """PPO with a critic on the round's conversations."""
 
-    kind = "mt-ppo"
     from_logs = False
     config: MTPPOConfig
 

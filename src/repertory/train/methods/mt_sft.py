@@ -15,11 +15,10 @@ from repertory.train.turns import conversations, first_return
 from repertory.types import Episode, derive
 
 
-@register_method
+@register_method(MTSFTConfig)
 class MTSFT(RoundMethod):
     """Behaviour cloning of the round's best conversations."""
 
-    kind = "mt-sft"
     config: MTSFTConfig
 
     def improve(

@@ -63,11 +63,10 @@ def assign_advantages(
     return metrics
 
 
-@register_method
+@register_method(SelfPlayConfig)
 class SelfPlay(OnlineMethod):
     """Credit from a registered estimator over the trained seats' turns (see the module docstring)."""
 
-    kind = "selfplay"
     config: SelfPlayConfig
 
     def __init__(self, config: Any, seed: int):

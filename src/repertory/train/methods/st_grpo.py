@@ -14,11 +14,10 @@ from repertory.train.turns import Conversation, conversation_of, conversations, 
 from repertory.types import Episode
 
 
-@register_method
+@register_method(STGRPOConfig)
 class STGRPO(RoundMethod):
     """Whole conversations as GRPO samples, grouped by kernel."""
 
-    kind = "st-grpo"
     config: STGRPOConfig
 
     def improve(
