@@ -955,6 +955,13 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {(r.rollout.kernels_per_iteration, r.algo.lr, r.iterations) for r in matches.values()} == {(32, 2.5e-4, 6)}
     assert len({str(warm_dir(r)) for r in matches.values()}) == 1
     assert (claims.probes.partners, claims.probes.exploiters, claims.probes.episodes) == (["always-defect"], [0], 64)
+    bargains = load_suite("omar-craigslist-suite")
+    deals = {name: load_config(bargains.recipe, overrides) for name, overrides in suite_runs(bargains)}
+    # omar-grid-suite's warm start and line-up with MT-PPO's credit added, five seeds, 64 held-out games.
+    assert len(deals) == 15 and {r.method.estimator for r in deals.values()} == {"omar", "gae", "grpo"}
+    line_ups = {(r.rollout.opponent, r.eval.episodes, r.evaluation_opponent) for r in deals.values()}
+    assert line_ups == {("self", 64, "bot")}
+    assert {warm_dir(r).name for r in deals.values()} == {warm_dir(selfplay["omar-craigslist-s0"]).name}
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
