@@ -78,7 +78,7 @@ def test_workers_join_a_cluster_by_address_and_play_the_in_process_episodes(two_
 
 
 def test_a_cluster_address_needs_workers(tmp_path):
-    with pytest.raises(RepertoryError, match="rollout.ray_address places rollout.workers"):
+    with pytest.raises(RepertoryError, match="rollout.ray_address does not support rollout.workers 0: it places"):
         _config(tmp_path, "x", "rollout.ray_address=auto")
 
 

@@ -242,7 +242,7 @@ def test_old_set_keys_are_renamed():
     [
         (["rounds.candidates=4"], "method.candidates: unknown key; allowed here: gamma_token, lam, estimator"),
         (["pool.p_snapshot=0.5"], "method.pool: unknown key"),
-        (["rollout.opponent=pool"], "rollout.opponent pool serves the snapshots of method kind adalign"),
+        (["rollout.opponent=pool"], "rollout.opponent pool does not support method kind selfplay: the pool serves"),
         (["trainer=batch"], "trainer: 'batch' names no loop; the trainer key is gone, the loop follows method.kind"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import run_cli, tiny_checkpoint
 from safetensors.torch import load_file
 
 from repertory.cli import main
-from repertory.config import TrainConfig, load_config, recipe_names
+from repertory.config import RULES, TrainConfig, broken_rule, load_config, recipe_names
 from repertory.experiments import load_suite
 from repertory.models import load_model, load_tokenizer, tiny_model
 from repertory.models.checkpoints import load_policy
@@ -100,6 +101,22 @@ def test_bad_keys_and_values_are_rejected_with_the_key_path(override, expected):
     with pytest.raises(RepertoryError) as err:
         load_config("default", [override])
     assert expected in str(err.value)
+
+
+def test_feature_rules_are_one_documented_table_and_refuse_in_one_line():
+    documented = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    assert [r for r in RULES if f"| {r.feature} | {r.forbids} | {r.why} |" not in documented] == []
+    rounds = load_config("igrpo-craigslist")
+    assert broken_rule(rounds) is None  # one process: the data-parallel rules hold
+    assert broken_rule(rounds, processes=2) == (
+        "data-parallel training (--gpus) does not support method kind igrpo (a round method): "
+        "it runs an online method in step on every process"
+    )
+    with pytest.raises(RepertoryError) as err:
+        load_config(None, ["model.sharding=fsdp", "rollout.workers=2"])
+    assert str(err.value).splitlines()[1] == (
+        "  model.sharding fsdp does not support rollout.workers: sharded weights are not sent to workers yet"
+    )
 
 
 def test_bad_recipe_files(tmp_path):

@@ -38,6 +38,7 @@ from repertory.config.methods import (
     method_kind,
     round_kinds,
 )
+from repertory.config.rules import RULES, Rule, broken_rule
 from repertory.config.sections import (
     AlgoConfig,
     EvalConfig,
@@ -50,7 +51,7 @@ from repertory.config.sections import (
     WarmStartConfig,
     _Section,
 )
-from repertory.envs import env_class, make
+from repertory.envs import env_class
 from repertory.envs.roles import RoleAdapters
 from repertory.types import RepertoryError
 
@@ -121,76 +122,19 @@ class TrainConfig(_Section):
         return env.default_partner if spec == "self" and self.eval.opponent is None and env.fixed_seat else spec
 
     @model_validator(mode="after")
-    def _pool_of_adalign(self) -> TrainConfig:
-        if self.rollout.opponent == "pool" and self.method.kind != "adalign":
-            raise ValueError(
-                f"rollout.opponent pool serves the snapshots of method kind adalign (got {self.method.kind})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _asynchronous_rollouts(self) -> TrainConfig:
-        if not self.rollout.max_staleness:
-            return self
-        unsupported = {
-            f"method kind {self.method.kind} (a round method: its rounds are off-policy already)": self.round_based,
-            "rollout.opponent pool (its snapshots are taken by iteration)": self.rollout.opponent == "pool",
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"rollout.max_staleness {self.rollout.max_staleness} does not support {what}")
-        return self
-
-    @model_validator(mode="after")
     def _role_adapters(self) -> TrainConfig:
-        mode = self.model.adapters
-        if mode == "shared":
-            return self
-        try:
-            RoleAdapters.of(self.rollout.env, mode)
-        except RepertoryError as exc:
-            raise ValueError(str(exc)) from None
-        unsupported = {
-            "full fine-tuning (model.lora.enabled false): the adapters are LoRA adapters": not self.model.lora.enabled,
-            f"method kind {self.method.kind} (a round method)": self.round_based,
-            "rollout.workers (the workers copy one adapter)": bool(self.rollout.workers),
-            "rollout.max_staleness (the pipeline publishes one adapter)": bool(self.rollout.max_staleness),
-            "rollout.opponent pool (its snapshots are of one adapter)": self.rollout.opponent == "pool",
-            "model.lora.dropout > 0 (the mixed-adapter pass draws dropout in an unordered set's order)": bool(
-                self.model.lora.dropout
-            ),
-            "adapters on lm_head or embed_tokens (the learner reads the head outside the per-row pass)": bool(
-                {"lm_head", "embed_tokens"} & set(self.model.lora.target_modules)
-            ),
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"model.adapters {mode} does not support {what} yet")
+        if self.model.adapters != "shared":
+            try:
+                RoleAdapters.of(self.rollout.env, self.model.adapters)
+            except RepertoryError as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     @model_validator(mode="after")
-    def _ray_address(self) -> TrainConfig:
-        if self.rollout.ray_address is not None and not self.rollout.workers:
-            raise ValueError("rollout.ray_address places rollout.workers on a Ray cluster: set rollout.workers too")
-        return self
-
-    @model_validator(mode="after")
-    def _sharding(self) -> TrainConfig:
-        if self.model.sharding == "none":
-            return self
-        unsupported = {
-            f"method kind {self.method.kind} (a round method)": self.round_based,
-            f"model.adapters {self.model.adapters}": self.model.adapters != "shared",
-            "rollout.workers": bool(self.rollout.workers),
-            "rollout.max_staleness": bool(self.rollout.max_staleness),
-            "rollout.opponent pool (process 0 alone snapshots the policy)": self.rollout.opponent == "pool",
-            "a critic on its own backbone (method.critic.share_backbone false)": not getattr(
-                getattr(self.method, "critic", None), "share_backbone", True
-            ),
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"model.sharding fsdp does not support {what} yet")
+    def _feature_rules(self) -> TrainConfig:
+        broken = broken_rule(self)
+        if broken is not None:
+            raise ValueError(broken)
         return self
 
     @model_validator(mode="after")
@@ -204,21 +148,6 @@ class TrainConfig(_Section):
                 continue
             allowed = ", ".join(bots) if bots else f"none: {self.rollout.env} has no bot, remove warm_start"
             raise ValueError(f"warm_start.{field}: {chosen!r} is no bot of {self.rollout.env}; allowed: {allowed}")
-        return self
-
-    @model_validator(mode="after")
-    def _judge_when_needed(self) -> TrainConfig:
-        needs_judge = make(self.rollout.env, **self.rollout.env_options).needs_judge
-        if needs_judge and self.rollout.max_staleness:
-            raise ValueError(
-                f"rollout.max_staleness {self.rollout.max_staleness}: the episodes played ahead cannot be judged yet; "
-                "set rollout.max_staleness: 0, or use reward: verifiable"
-            )
-        if self.judge.kind == "none" and needs_judge:
-            raise ValueError(
-                f"rollout.env_options {self.rollout.env_options} score {self.rollout.env} with a judge: set judge.kind "
-                "(openai or local), or use reward: verifiable"
-            )
         return self
 
 
@@ -383,7 +312,7 @@ def describe_error(err: ValidationError, source: str, root: type[BaseModel] = Tr
         else:
             message = item["msg"].removeprefix("Value error, ")
             got = "" if isinstance(item["input"], dict) else f" (got {item['input']!r})"
-            lines.append(f"{path}: {message}{got}")
+            lines.append(f"{path}: {message}{got}" if path else f"{message}{got}")  # a whole-config rule: no key
     return f"invalid configuration in {source}:\n  " + "\n  ".join(lines)
 
 
@@ -446,6 +375,9 @@ def dump_config(config: TrainConfig) -> str:
 
 __all__ = [
     "METHOD_CONFIGS",
+    "RULES",
+    "Rule",
+    "broken_rule",
     "AdAlignConfig",
     "AdapterConfig",
     "AlgoConfig",

@@ -9,7 +9,7 @@ literal), a member of :data:`MethodConfig`, and its file in ``repertory/train/me
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -65,8 +65,10 @@ EPOCHS = "Passes over the round's data."
 
 
 class RoundMethodConfig(_Section):
-    """What every round method shares: the discount of logged returns, users' logs, the KL reference."""
+    """What every round method shares: the discount of logged returns, users' logs, the KL reference.
+    ``from_logs``: round 0 may learn from a user's logs (``method.logs``)."""
 
+    from_logs: ClassVar[bool] = True
     gamma: float = Field(
         0.95,
         ge=0,
@@ -185,6 +187,7 @@ class MTPPOConfig(RoundMethodConfig, GaeParams):
     """MT-PPO (6.3): token-level GAE with a critic (warm across rounds) on the round's conversations, reward
     G_0 on the agent's last token."""
 
+    from_logs: ClassVar[bool] = False
     kind: Literal["mt-ppo"] = "mt-ppo"
     epochs: int = Field(4, ge=1, description=EPOCHS)
     critic: CriticConfig = Field(default_factory=CriticConfig)

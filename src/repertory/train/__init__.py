@@ -16,7 +16,7 @@ from typing import Any
 
 from repertory.agents.resolve import spec_kind
 from repertory.algos.losses import POLICY_LOSSES
-from repertory.config import TrainConfig, dump_config
+from repertory.config import TrainConfig, broken_rule, dump_config
 from repertory.envs import env_class, load_kernels
 from repertory.generation import BACKENDS
 from repertory.models import LoadedModel
@@ -63,10 +63,9 @@ def check_names(config: TrainConfig) -> None:
 def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None) -> Trainer:
     """The trainer ``config`` names, on ``run_dir``; registry names are checked before any model loads."""
     check_names(config)
-    if distributed.world_size() > 1 and (config.round_based or config.rollout.workers or config.rollout.max_staleness):
-        raise RepertoryError(
-            "data-parallel training (--gpus) runs an online method without rollout.workers or rollout.max_staleness"
-        )
+    broken = broken_rule(config, distributed.world_size())  # the config checked them on one process
+    if broken is not None:
+        raise RepertoryError(broken)
     loop = RoundsTrainer if config.round_based else OnlineTrainer
     return loop(config, run_dir, loaded)
 

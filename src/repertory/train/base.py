@@ -95,8 +95,6 @@ class Trainer:
         self.judge = make_judge(config.judge, config.model.device)
         # Rollouts are judged only where the reward needs it; evaluations report the judge's scores regardless.
         self.rollout_judge = self.judge if make(config.rollout.env, **config.rollout.env_options).needs_judge else None
-        if self.rollout_judge is not None and config.rollout.workers:
-            raise RepertoryError("a judge cannot score episodes played by rollout.workers yet; set rollout.workers: 0")
         self.pool: OpponentPool | None = None
         if config.rollout.opponent == "pool":  # the config allows it with method adalign only
             assert isinstance(self.method, AdvantageAlignment)

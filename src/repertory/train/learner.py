@@ -38,7 +38,7 @@ from repertory.train.sharding import (
     Scorer,
     Sharded,
 )
-from repertory.types import RepertoryError, derive
+from repertory.types import derive
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REUSED_GAP_TOL = 1e-4  # the exact sampler's float noise against the learner's packed rows (2-3e-5 measured)
@@ -90,8 +90,6 @@ class Learner:
         critic_base = copy.deepcopy(base) if needs_critic and not critic.share_backbone else None
         self.reference: nn.Module | None = None
         self.roles = roles
-        if roles is not None and not lora.enabled:
-            raise RepertoryError("model.adapters per_role or per_team trains LoRA adapters: set model.lora.enabled")
         self.adapters = roles.adapters if roles is not None else [LIVE_ADAPTER]
         if lora.enabled:
             self.peft = with_lora(base, lora, derive(seed, "lora", "policy"), self.adapters)
@@ -116,8 +114,6 @@ class Learner:
         self.scorer = Scorer(base)
         self.reference_scorer = Scorer(self.reference) if self.reference is not None else None
         self.optimizer_shards = sharding == "fsdp"
-        if self.optimizer_shards:
-            self._check_shardable()
         self.sharded = None
         if self.optimizer_shards and distributed.world_size() > 1:
             self.sharded = Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
@@ -129,12 +125,6 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
-
-    def _check_shardable(self) -> None:
-        if self.roles is not None:
-            raise RepertoryError("model.sharding fsdp does not support model.adapters per_role/per_team yet")
-        if self.value is not None and not self.critic_config.share_backbone:
-            raise RepertoryError("model.sharding fsdp shards the policy; a critic needs critic.share_backbone true")
 
     def stateful(self) -> nn.Module:
         """A module holding every parameter the optimiser steps, by which its sharded state is named."""
@@ -263,8 +253,6 @@ class Learner:
                 param.grad = None
 
     def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
-        if self.roles is not None:
-            raise RepertoryError("model.adapters per_role/per_team trains online methods only (no seat to route by)")
         samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
         sequences = [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
         return samples, self._micro_batches(sequences)

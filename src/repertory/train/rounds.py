@@ -29,7 +29,7 @@ from repertory.runs import RunDir
 from repertory.store import write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train.base import Trainer
-from repertory.train.methods import METHODS, RoundContext, RoundMethod
+from repertory.train.methods import RoundContext, RoundMethod
 from repertory.train.turns import conversations, first_return, logged_turns, read_logs
 from repertory.types import Episode, RepertoryError
 
@@ -53,16 +53,6 @@ class RoundsTrainer(Trainer):
     method: RoundMethod
 
     def __init__(self, config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None):
-        kind = config.method.kind
-        if config.rollout.opponent in ("self", "pool"):
-            raise RepertoryError(
-                f"method {kind} deploys the policy against a partner; set rollout.opponent to a bot of "
-                f"{config.rollout.env}, base or model:PATH (got {config.rollout.opponent!r})"
-            )
-        if config.algo.kl_mode != "loss":
-            raise RepertoryError(f"method {kind} puts the KL to the reference in the loss; set algo.kl_mode: loss")
-        if getattr(config.method, "logs", None) and not getattr(METHODS[kind], "from_logs", True):
-            raise RepertoryError(f"{kind} learns from deployed conversations; method.logs needs another method")
         super().__init__(config, run_dir, loaded)
         assert self.opponent is not None
         self.partner = _Counting(self.opponent, self)

@@ -126,11 +126,9 @@ class RoundContext:
 
 
 class RoundMethod(Method):
-    """Improve the policy offline from one deployment round's log (docs/algorithms.md 5-6). ``from_logs``: round
-    0 may learn from a user's logs (``method.logs``)."""
+    """Improve the policy offline from one deployment round's log (docs/algorithms.md 5-6)."""
 
     online = False
-    from_logs: ClassVar[bool] = True
 
     def __init__(self, config: Any, seed: int, initial: LoadedModel, device: str | None):
         """``initial`` is the policy before any adapter (a method's critic copies it); ``device`` the model's."""

@@ -22,7 +22,6 @@ from repertory.types import Episode
 class MTPPO(RoundMethod):
     """PPO with a critic on the round's conversations."""
 
-    from_logs = False
     config: MTPPOConfig
 
     def __init__(self, config: Any, seed: int, initial: LoadedModel, device: str | None):
