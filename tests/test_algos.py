@@ -14,16 +14,20 @@ from hypothesis import strategies as st
 from repertory.algos import ESTIMATORS, TrajectoryInput, TurnParams, get_estimator, register_estimator, whiten
 from repertory.algos.losses import (
     AGGREGATIONS,
+    TokenTerms,
+    ValueTerms,
     aggregate,
     aggregation_weights,
     entropy_from_logits,
     kl_penalty,
+    objective,
     policy_loss,
     reinforce_loss,
     rollout_correction,
     sampler_mismatch,
     value_loss,
 )
+from repertory.config import AlgoConfig
 from repertory.types import RepertoryError
 
 TOL = 1e-4
@@ -605,3 +609,30 @@ def test_rollout_correction_weights_and_mismatch_by_hand():
         {"offpolicy/max_gap": 2.0, "offpolicy/mean_gap": 2.5 / 3, "offpolicy/kl": 1.284056 / 3}, abs=1e-6
     )
     assert sampler_mismatch(learner, learner)["offpolicy/kl"] == 0.0
+
+
+def test_the_objective_sums_the_corrected_policy_loss_entropy_kl_and_value_by_hand():
+    # Two tokens of one sample, token-mean weights 1/2. Ratios 1 and 1.5 (clipped to 1.2 for A = 2): the PPO
+    # terms are -1 and -2.4, the second halved by its correction: -0.5 - 0.6 = -1.1. Entropy 1 and 3 at 0.1:
+    # -0.2. k3 KL 0 and ln 2 - 0.5 (the policy is twice the reference's) at 0.1: 0.1 * (ln 2 - 0.5) / 2.
+    # Values 0.5 against returns 1.5 and 0.5: 0.5 * 1^2 / 2 = 0.25 at coef 0.5.
+    logp = torch.tensor([math.log(0.4), math.log(0.6)], requires_grad=True)
+    old = torch.tensor([math.log(0.4), math.log(0.4)])
+    tokens = TokenTerms(
+        logp, old, torch.tensor([math.log(0.4), math.log(0.3)]), torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.5]),
+        torch.tensor([1.0, 0.5]), torch.tensor([1.0, 3.0]),
+    )  # fmt: skip
+    values = torch.tensor([0.5, 0.5], requires_grad=True)
+    value = ValueTerms(values, torch.tensor([0.5, 0.5]), torch.tensor([1.5, 0.5]), 0.5)
+    algo = AlgoConfig(policy_loss="ppo", entropy_coef=0.1, beta_kl=0.1, kl_mode="loss", kl_estimator="k3")
+    loss, stats = objective(tokens, algo, value)
+    kl = (math.log(2) - 0.5) / 2
+    assert float(loss) == pytest.approx(-1.1 - 0.2 + 0.1 * kl + 0.5 * 0.25, abs=1e-6)
+    expected = {"loss/policy": -1.1, "kl": kl, "entropy": 2.0, "clip_frac": 0.5, "loss/value": 0.25}
+    assert {name: float(s) for name, s in stats.items()} == pytest.approx(expected, abs=1e-6)
+    assert not any(s.requires_grad for s in stats.values())
+    loss.backward()
+    assert logp.grad is not None and value.values.grad is not None
+    # KL in the reward instead: the loss leaves it out and still reports it.
+    reward_kl, _ = objective(tokens, algo.model_copy(update={"kl_mode": "reward"}))
+    assert float(reward_kl) == pytest.approx(-1.1 - 0.2, abs=1e-6)

@@ -189,3 +189,56 @@ def _tis(logp: Tensor, old: Tensor, adv: Tensor, algo: Any) -> PolicyTerms:
 @register_policy_loss("reinforce")
 def _reinforce(logp: Tensor, old: Tensor, adv: Tensor, algo: Any) -> PolicyTerms:
     return PolicyTerms(reinforce_loss(logp, adv), torch.zeros_like(logp))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The learner's objective
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """One micro-batch's trained tokens, aligned: log-probs now (with gradient), at sampling and under the
+    reference, advantages, aggregation weights (:func:`aggregation_weights`), the sampler-learner correction
+    (:func:`rollout_correction`) and the policy's entropy."""
+
+    logp: Tensor
+    old: Tensor
+    ref: Tensor
+    advantages: Tensor
+    weights: Tensor
+    correction: Tensor
+    entropy: Tensor
+
+
+@dataclass(frozen=True)
+class ValueTerms:
+    """The critic's values now (with gradient) and at scoring, the returns, and the value loss's weight."""
+
+    values: Tensor
+    old: Tensor
+    returns: Tensor
+    coef: float
+
+
+def objective(tokens: TokenTerms, algo: Any, value: ValueTerms | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The learner's loss on one micro-batch (docs/algorithms.md 2.6-2.7): the ``algo.policy_loss`` corrected
+    token by token, minus ``entropy_coef`` times the entropy, plus ``beta_kl`` times the KL to the reference when
+    ``kl_mode`` is loss, plus the weighted value loss; each a weighted sum, so micro-batches add up to their
+    mini-batch. Also the detached sums the learner logs: loss/policy, kl, entropy, clip_frac (and loss/value)."""
+    w = tokens.weights
+    kl = kl_penalty(tokens.logp, tokens.ref, algo.kl_estimator)
+    terms = POLICY_LOSSES[algo.policy_loss](tokens.logp, tokens.old, tokens.advantages, algo)
+    l_pg = terms.loss * tokens.correction
+    if terms.kl_weights is not None:
+        kl = terms.kl_weights * kl
+    loss = (w * l_pg).sum() - algo.entropy_coef * (w * tokens.entropy).sum()
+    if algo.kl_mode == "loss":
+        loss = loss + algo.beta_kl * (w * kl).sum()
+    stats = {"loss/policy": (w * l_pg).sum(), "kl": (w * kl).sum(), "entropy": (w * tokens.entropy).sum()}
+    stats["clip_frac"] = (w * terms.clipped).sum()
+    if value is not None:
+        l_v = (w * value_loss(value.values, value.old, value.returns, algo.eps_v)).sum()
+        loss = loss + value.coef * l_v
+        stats["loss/value"] = l_v
+    return loss, {name: s.detach() for name, s in stats.items()}

@@ -81,7 +81,6 @@ class Learner:
         self.precision = precision
         auto = "none" if exact_sampler else "tis"
         self.correction = auto if algo.rollout_correction == "auto" else algo.rollout_correction
-        self.policy_loss = losses.get_policy_loss(algo.policy_loss)
         self.temperature = temperature
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -464,37 +463,11 @@ class Learner:
             for _ in range(-(-len(micros) // distributed.world_size()) - len(mine)):
                 self._idle_pass(micros[0], batch)
         for micro in mine:
-            adapters = self._adapters_of(micro, batch)
-            scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
-            idx = [index for seq in micro for index, _ in seq.spans]
-            mine = [batch.experience[i] for i in idx]
-            w = torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx])
-            logp = torch.cat([scored.logp[i] for i in idx])
-            old = torch.cat([x.logp_old for x in mine])
-            ref = torch.cat([x.logp_ref for x in mine])
-            adv = torch.cat([x.advantages for x in mine]).to(self.device, logp.dtype)  # type: ignore[misc]
-            ent = torch.cat([scored.entropy[i] for i in idx])
-            kl = losses.kl_penalty(logp, ref, algo.kl_estimator)
-            terms = self.policy_loss(logp, old, adv, algo)
-            l_pg, clipped = terms.loss * torch.cat([x.correction for x in mine]), terms.clipped
-            if terms.kl_weights is not None:
-                kl = terms.kl_weights * kl
-            loss = (w * l_pg).sum() - algo.entropy_coef * (w * ent).sum()
-            if algo.kl_mode == "loss":
-                loss = loss + algo.beta_kl * (w * kl).sum()
-            if self.value is not None and batch.has_returns:
-                v_new = torch.cat([scored.values[i] for i in idx])
-                v_old = torch.cat([x.values for x in mine])  # type: ignore[misc]
-                g = torch.cat([x.returns for x in mine]).to(self.device, v_new.dtype)  # type: ignore[misc]
-                l_v = (w * losses.value_loss(v_new, v_old, g, algo.eps_v)).sum()
-                loss = loss + (self.critic_config.value_coef if self.shared_critic else 1.0) * l_v
-                sums["loss/value"] += float(l_v.detach())
+            tokens, value = self._terms(micro, batch, weights, offsets)
+            loss, stats = losses.objective(tokens, algo, value)
             loss.backward()
-            with torch.no_grad():
-                sums["loss/policy"] += float((w * l_pg).sum())
-                sums["kl"] += float((w * kl).sum())
-                sums["entropy"] += float((w * ent).sum())
-                sums["clip_frac"] += float((w * clipped).sum())
+            for name, total in stats.items():
+                sums[name] += float(total)
         distributed.sum_gradients(self.trainable_parameters())
         self._drop_absent_roles(mini, batch, idle or set())
         sums = distributed.sum_values(sums)
@@ -505,6 +478,31 @@ class Learner:
             )
         sums["grad_norm"] = self.optimizer_step()
         return sums
+
+    def _terms(
+        self, micro: list[PackedSequence], batch: Batch, weights: torch.Tensor, offsets: dict[int, tuple[int, int]]
+    ) -> tuple[losses.TokenTerms, losses.ValueTerms | None]:
+        """One micro-batch scored now, aligned token by token with what its samples recorded at scoring."""
+        adapters = self._adapters_of(micro, batch)
+        scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
+        idx = [index for seq in micro for index, _ in seq.spans]
+        recorded = [batch.experience[i] for i in idx]
+        logp = torch.cat([scored.logp[i] for i in idx])
+        tokens = losses.TokenTerms(
+            logp,
+            torch.cat([x.logp_old for x in recorded]),
+            torch.cat([x.logp_ref for x in recorded]),
+            torch.cat([x.advantages for x in recorded]).to(self.device, logp.dtype),  # type: ignore[misc]
+            torch.cat([weights[offsets[i][0] : offsets[i][0] + offsets[i][1]] for i in idx]),
+            torch.cat([x.correction for x in recorded]),
+            torch.cat([scored.entropy[i] for i in idx]),
+        )
+        if self.value is None or not batch.has_returns:
+            return tokens, None
+        values = torch.cat([scored.values[i] for i in idx])
+        returns = torch.cat([x.returns for x in recorded]).to(self.device, values.dtype)  # type: ignore[misc]
+        coef = self.critic_config.value_coef if self.shared_critic else 1.0
+        return tokens, losses.ValueTerms(values, torch.cat([x.values for x in recorded]), returns, coef)  # type: ignore[misc]
 
     def _idle_pass(self, micro: list[PackedSequence], batch: Batch) -> None:
         """A forward and backward pass that adds nothing to the gradients, for a sharded process with fewer
