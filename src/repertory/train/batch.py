@@ -12,6 +12,7 @@ import torch
 
 from repertory import algos
 from repertory.envs import env_class
+from repertory.envs.roles import RoleAdapters
 from repertory.models.packing import PackedSequence, shared_prompt
 from repertory.types import Episode
 
@@ -27,6 +28,7 @@ class Sample:
     logp_sample: list[float]
     trained: bool
     policy_version: int = 0  # the version of the policy that sampled it
+    adapter: str | None = None  # its seat's adapter under per-role adapters (model.adapters), else None
 
     @property
     def n_tokens(self) -> int:
@@ -181,8 +183,11 @@ class Batch:
         return values.tolist()
 
 
-def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool = False) -> Batch:
-    """The training samples of every trainable seat, packed into sequences where prompts extend."""
+def collect(
+    episodes: list[Episode], packing: bool = True, mask_truncated: bool = False, roles: RoleAdapters | None = None
+) -> Batch:
+    """The training samples of every trainable seat, packed into sequences where prompts extend; with ``roles``
+    (per-role adapters) each sample records its seat's adapter."""
     trajectories: list[TrajectoryRef] = []
     samples: list[Sample] = []
     sequences: list[PackedSequence] = []
@@ -192,6 +197,7 @@ def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool 
                 continue
             ref = TrajectoryRef(e, s, episode, seat.seat_id, [])
             t = len(trajectories)
+            adapter = roles.of_seat(env_class(episode.env), episode.kernel.data, s) if roles is not None else None
             for turn in episode.trajectory(seat.seat_id):
                 trained = bool(turn.response_ids) and not (mask_truncated and turn.finish == "length")
                 ref.samples.append(len(samples))
@@ -204,6 +210,7 @@ def collect(episodes: list[Episode], packing: bool = True, mask_truncated: bool 
                         turn.logp_sample,
                         trained,
                         turn.policy_version,
+                        adapter,
                     )
                 )
             trajectories.append(ref)

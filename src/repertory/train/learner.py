@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -25,8 +26,6 @@ from torch.distributed.tensor import DTensor
 from repertory.agents.lm import LIVE_ADAPTER
 from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
-from repertory.envs import env_class
-from repertory.envs.roles import RoleAdapters
 from repertory.models import LoadedModel
 from repertory.models.adapters import per_row_adapters
 from repertory.models.linear import learner_precision
@@ -39,6 +38,9 @@ from repertory.train.sharding import (
     Sharded,
 )
 from repertory.types import derive
+
+if TYPE_CHECKING:  # the learner reads the adapters' names; each sample carries its own (train/batch.py)
+    from repertory.envs.roles import RoleAdapters
 
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REUSED_GAP_TOL = 1e-4  # the exact sampler's float noise against the learner's packed rows (2-3e-5 measured)
@@ -230,15 +232,14 @@ class Learner:
         self.peft.set_adapter(LIVE_ADAPTER)
 
     def _adapters_of(self, micro: list[PackedSequence], batch: Batch) -> list[str] | None:
-        """Each sequence's adapter (its seat's role or team) under per-role adapters; None with one adapter."""
+        """Each sequence's adapter (its seat's role or team, recorded at collection) under per-role adapters; None
+        with one adapter."""
         if self.roles is None:
             return None
-        out = []
-        for sequence in micro:
-            ref = batch.trajectories[batch.samples[sequence.spans[0][0]].trajectory]
-            episode = ref.episode
-            out.append(self.roles.of_seat(env_class(episode.env), episode.kernel.data, ref.seat_index))
-        return out
+        adapters = [batch.samples[sequence.spans[0][0]].adapter for sequence in micro]
+        if None in adapters:
+            raise ValueError("a batch trained with per-role adapters is collected with them: collect(..., roles)")
+        return adapters  # type: ignore[return-value]
 
     def _drop_absent_roles(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
         """Clear the gradients of role adapters without a sequence in the mini-batch, or ``idle`` ones, so AdamW

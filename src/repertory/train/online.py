@@ -50,7 +50,7 @@ class OnlineTrainer(Trainer):
             ) / len(episodes)
 
         start = time.perf_counter()
-        batch = collect([ep for ep in episodes if not ep.judge_failed], algo.packing, algo.mask_truncated)
+        batch = collect([ep for ep in episodes if not ep.judge_failed], algo.packing, algo.mask_truncated, self.roles)
         if not batch.sequences:
             raise RepertoryError(
                 f"iteration {iteration}: no trainable tokens (no live seat produced a response); "
