@@ -56,6 +56,66 @@ class _Scored:
     entropy: dict[int, torch.Tensor]
 
 
+class OneAdapter:
+    """The step bookkeeping of one shared adapter: every sequence trains it (see :class:`RoleSteps`)."""
+
+    def start(self) -> None:
+        """A new update begins."""
+
+    def of(self, micro: list[PackedSequence], batch: Batch) -> list[str] | None:
+        """Each sequence's adapter; None: the one adapter."""
+        return None
+
+    def idle(self, mini: list[PackedSequence], batch: Batch, flat: Callable[..., bool]) -> set[str]:
+        """The adapters a step on ``mini`` must leave alone."""
+        return set()
+
+    def stepped(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
+        """A step on ``mini`` was taken."""
+
+    def drop_absent(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
+        """Clear the gradients the step on ``mini`` must not apply."""
+
+
+class RoleSteps(OneAdapter):
+    """The step bookkeeping of one LoRA adapter per role or team (``model.adapters``): each sequence trains its
+    seat's adapter (recorded at collection), and an adapter with nothing to learn in a step is left alone."""
+
+    def __init__(self, peft: nn.Module):
+        self.peft = peft
+        self.moved: set[str] = set()  # the adapters stepped so far in this update
+
+    def start(self) -> None:
+        self.moved = set()
+
+    def of(self, micro: list[PackedSequence], batch: Batch) -> list[str]:
+        adapters = [batch.samples[sequence.spans[0][0]].adapter for sequence in micro]
+        if None in adapters:
+            raise ValueError("a batch trained with per-role adapters is collected with them: collect(..., roles)")
+        return adapters  # type: ignore[return-value]
+
+    def idle(self, mini: list[PackedSequence], batch: Batch, flat: Callable[..., bool]) -> set[str]:
+        """The adapters a ``flat`` step would skip on their own: not stepped yet in this update, and flat on all
+        their sequences in the mini-batch (another role's advantages must not turn their float noise into a
+        step)."""
+        groups: dict[str, list[PackedSequence]] = {}
+        for name, sequence in zip(self.of(mini, batch), mini):
+            groups.setdefault(name, []).append(sequence)
+        return {name for name, group in groups.items() if name not in self.moved and flat(group, batch)}
+
+    def stepped(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
+        self.moved |= set(self.of(mini, batch)) - idle
+
+    def drop_absent(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
+        """Clear the gradients of adapters without a sequence in the mini-batch, or ``idle`` ones, so AdamW leaves
+        them alone as it does in one process (data-parallel summing gives every parameter a gradient, zeros
+        included)."""
+        present = set(self.of(mini, batch)) - idle
+        for key, param in self.peft.named_parameters():
+            if ".lora_" in key and not any(f".{name}." in key for name in present):
+                param.grad = None
+
+
 class Learner:
     """Owns the trainable weights and turns scored batches and advantages into optimizer steps."""
 
@@ -90,7 +150,6 @@ class Learner:
         hidden = base.config.hidden_size
         critic_base = copy.deepcopy(base) if needs_critic and not critic.share_backbone else None
         self.reference: nn.Module | None = None
-        self.roles = roles
         self.adapters = roles.adapters if roles is not None else [LIVE_ADAPTER]
         if lora.enabled:
             self.peft = with_lora(base, lora, derive(seed, "lora", "policy"), self.adapters)
@@ -99,6 +158,7 @@ class Learner:
             self.reference = copy.deepcopy(base).requires_grad_(False)
             base.requires_grad_(True)
         self.model = base  # the causal LM generation runs on; LoRA layers are injected into it in place
+        self.role_steps = RoleSteps(self.peft) if roles is not None else OneAdapter()
         self.reference_adapter: str | None = None
         self.round_reference: nn.Module | None = None
         self.value: ValueModel | None = None
@@ -231,27 +291,6 @@ class Learner:
         set_peft_model_state_dict(self.peft, live, adapter_name=REFERENCE_ADAPTER)
         self.peft.set_adapter(LIVE_ADAPTER)
 
-    def _adapters_of(self, micro: list[PackedSequence], batch: Batch) -> list[str] | None:
-        """Each sequence's adapter (its seat's role or team, recorded at collection) under per-role adapters; None
-        with one adapter."""
-        if self.roles is None:
-            return None
-        adapters = [batch.samples[sequence.spans[0][0]].adapter for sequence in micro]
-        if None in adapters:
-            raise ValueError("a batch trained with per-role adapters is collected with them: collect(..., roles)")
-        return adapters  # type: ignore[return-value]
-
-    def _drop_absent_roles(self, mini: list[PackedSequence], batch: Batch, idle: set[str]) -> None:
-        """Clear the gradients of role adapters without a sequence in the mini-batch, or ``idle`` ones, so AdamW
-        leaves them alone as it does in one process (data-parallel summing gives every parameter a gradient,
-        zeros included)."""
-        if self.roles is None:
-            return
-        present = set(self._adapters_of(mini, batch) or []) - idle
-        for key, param in self.peft.named_parameters():
-            if ".lora_" in key and not any(f".{name}." in key for name in present):
-                param.grad = None
-
     def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
         samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
         sequences = [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
@@ -355,7 +394,7 @@ class Learner:
         logp: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
         for micro in micros:
-            scored = self._forward(micro, batch.samples, values=True, adapters=self._adapters_of(micro, batch))
+            scored = self._forward(micro, batch.samples, values=True, adapters=self.role_steps.of(micro, batch))
             logp.update({i: t.detach() for i, t in scored.logp.items()})
             values.update({i: t.detach() for i, t in scored.values.items()})
         return logp, values
@@ -388,7 +427,7 @@ class Learner:
     def _epochs(self, batch: Batch, iteration: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
         totals: dict[str, float] = {}
         steps = skipped = 0
-        moved: set[str] = set()  # role adapters stepped so far (one adapter per role)
+        self.role_steps.start()
         for epoch in range(epochs):
             order = list(range(len(batch.sequences)))
             random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
@@ -399,9 +438,9 @@ class Learner:
                 if steps == 0 and distributed.broadcast(self._flat(mini, batch)):
                     skipped += 1
                     continue
-                idle = self._idle_roles(mini, batch, moved)
+                idle = self.role_steps.idle(mini, batch, self._flat)
                 stats = self._step(mini, batch, idle)
-                moved |= set(self._adapters_of(mini, batch) or []) - idle
+                self.role_steps.stepped(mini, batch, idle)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
@@ -435,17 +474,6 @@ class Learner:
         tolerance = FLAT_LOGP_TOL + batch.old_gap
         return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=tolerance) for x in mine)
 
-    def _idle_roles(self, mini: list[PackedSequence], batch: Batch, moved: set[str]) -> set[str]:
-        """The role adapters that :meth:`_flat` would skip on their own: not stepped yet, and flat on all their
-        sequences in the mini-batch (another role's advantages must not turn their float noise into a step)."""
-        adapters = self._adapters_of(mini, batch)
-        if adapters is None:
-            return set()
-        groups: dict[str, list[PackedSequence]] = {}
-        for name, sequence in zip(adapters, mini):
-            groups.setdefault(name, []).append(sequence)
-        return {name for name, group in groups.items() if name not in moved and self._flat(group, batch)}
-
     def _step(self, mini: list[PackedSequence], batch: Batch, idle: set[str] | None = None) -> dict[str, float]:
         algo = self.algo
         order = [index for seq in mini for index, _ in seq.spans]
@@ -470,7 +498,7 @@ class Learner:
             for name, total in stats.items():
                 sums[name] += float(total)
         distributed.sum_gradients(self.trainable_parameters())
-        self._drop_absent_roles(mini, batch, idle or set())
+        self.role_steps.drop_absent(mini, batch, idle or set())
         sums = distributed.sum_values(sums)
         if len(self.optimizer.param_groups) > 1:
             # actor and critic are clipped separately, as separate optimisers would (docs/algorithms.md 2.7)
@@ -484,7 +512,7 @@ class Learner:
         self, micro: list[PackedSequence], batch: Batch, weights: torch.Tensor, offsets: dict[int, tuple[int, int]]
     ) -> tuple[losses.TokenTerms, losses.ValueTerms | None]:
         """One micro-batch scored now, aligned token by token with what its samples recorded at scoring."""
-        adapters = self._adapters_of(micro, batch)
+        adapters = self.role_steps.of(micro, batch)
         scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
         idx = [index for seq in micro for index, _ in seq.spans]
         recorded = [batch.experience[i] for i in idx]
