@@ -962,6 +962,14 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     line_ups = {(r.rollout.opponent, r.eval.episodes, r.evaluation_opponent) for r in deals.values()}
     assert line_ups == {("self", 64, "bot")}
     assert {warm_dir(r).name for r in deals.values()} == {warm_dir(selfplay["omar-craigslist-s0"]).name}
+    check = load_suite("main-job-check-suite")
+    main_job = {name: load_config(check.recipe, overrides) for name, overrides in suite_runs(check)}
+    # The default recipe unchanged on seeds it was not chosen on, only its evaluation larger.
+    assert sorted(main_job) == [f"omar-ipd-s{s}" for s in range(3, 8)]
+    default = load_config("default")
+    same = ("iterations", "method", "algo", "rollout", "model")
+    assert all([getattr(r, key) for key in same] == [getattr(default, key) for key in same] for r in main_job.values())
+    assert {(r.eval.episodes, r.evaluation_opponent) for r in main_job.values()} == {(64, "always-cooperate")}
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
