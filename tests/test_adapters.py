@@ -172,9 +172,9 @@ def test_an_update_on_one_roles_turns_leaves_the_other_roles_adapter_unchanged(t
     trainer = start_run(_config(tmp_path, "isolated", "rollout.opponent=bot"), tiny_model(tokenizer, seed=2))
     learner = trainer.learner
     assert learner.adapters == ROLE_ADAPTERS
-    specs = [s for s in trainer.specs(0) if s.trainable == [True, False]]  # the live policy proposes
-    assert specs and all(s.agents[0] is trainer.live for s in specs)
-    batch = collect(trainer.play(specs), roles=trainer.roles)
+    specs = [s for s in trainer.lineup.specs(0) if s.trainable == [True, False]]  # the live policy proposes
+    assert specs and all(s.agents[0] is trainer.lineup.live for s in specs)
+    batch = collect(trainer.rollouts.play(specs), roles=trainer.lineup.live.roles)
     assert {s.adapter for s in batch.samples} == {"role-proposer"}  # recorded at collection: the learner reads it
     before = {k: p.detach().clone() for k, p in learner.peft.named_parameters() if ".lora_" in k}
     learner.score(batch)
@@ -189,10 +189,10 @@ def test_an_update_on_one_roles_turns_leaves_the_other_roles_adapter_unchanged(t
 def test_a_role_whose_turns_all_have_zero_advantage_is_not_stepped_by_the_other_roles_update(tmp_path, tokenizer):
     trainer = start_run(_config(tmp_path, "flat-role", "algo.mini_batches=1"), tiny_model(tokenizer, seed=2))
     learner = trainer.learner
-    played = trainer.play(trainer.specs(0))  # self-play: both roles' turns
+    played = trainer.rollouts.play(trainer.lineup.specs(0))  # self-play: both roles' turns
     with pytest.raises(ValueError, match=r"collected with them: collect\(..., roles\)"):
         learner.score(collect(played))
-    batch = collect(played, roles=trainer.roles)
+    batch = collect(played, roles=trainer.lineup.live.roles)
     seat = {i: batch.trajectories[s.trajectory].seat_index for i, s in enumerate(batch.samples)}
     assert set(seat.values()) == {0, 1}
     assert {(seat[i], s.adapter) for i, s in enumerate(batch.samples)} == {(0, "role-proposer"), (1, "role-responder")}

@@ -228,7 +228,7 @@ def test_episodes_carry_raw_round_points_for_the_estimators(tmp_path, tokenizer)
         ),
         tiny_model(tokenizer, seed=1),
     )
-    specs = trainer.specs(0)
+    specs = trainer.lineup.specs(0)
     assert specs[0].episode_seed == specs[1].episode_seed  # one crn group shares its environment seed
     from repertory.rollout import run_episodes
 
@@ -253,14 +253,14 @@ def test_opponent_pool_snapshots_alternating_seats_and_adapter_switching(tmp_pat
     trainable_before = {n for n, p in trainer.learner.peft.named_parameters() if p.requires_grad}
     run_dir = trainer.fit()
     assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["000000.safetensors", "000001.safetensors"]
-    specs = trainer.specs(1)
+    specs = trainer.lineup.specs(1)
     for g, spec in enumerate(specs):
         assert spec.trainable == [g % 2 == 0, g % 2 == 1]  # crn group g trains seat g mod 2
-        assert spec.agents[g % 2] is trainer.live
+        assert spec.agents[g % 2] is trainer.lineup.live
     opponents = [spec.agents[1 - g % 2].name for g, spec in enumerate(specs)]
     assert set(opponents) <= {"live", "snapshot@0", "snapshot@1"} and any(o.startswith("snapshot@") for o in opponents)
     # The same draws again: opponents are a function of (seed, iteration, match).
-    assert [spec.agents[1 - g % 2].name for g, spec in enumerate(trainer.specs(1))] == opponents
+    assert [spec.agents[1 - g % 2].name for g, spec in enumerate(trainer.lineup.specs(1))] == opponents
     # Serving snapshots never changes what the optimizer trains.
     assert {n for n, p in trainer.learner.peft.named_parameters() if p.requires_grad} == trainable_before
     assert trainer.learner.peft.active_adapter == "default"
@@ -318,14 +318,14 @@ def test_a_snapshot_answers_with_its_own_weights(tmp_path, tokenizer):
     )
     trainer = start_run(config, tiny_model(tokenizer, seed=2))
     trainer.fit()  # snapshot 0 is the initial adapter (= the base model); the live adapter has moved since
-    (snapshot,) = trainer.pool.serve(1)
+    (snapshot,) = trainer.lineup.pool.serve(1)
     request = Request("e", 0, "Alice", [Message("user", "Round 1. Choose.")], {}, choices=None)
     with torch.no_grad():
         from_snapshot = snapshot.act([request])[0]
         with trainer.learner.peft.disable_adapter():
-            from_base = trainer.live.act([request])[0]
+            from_base = trainer.lineup.live.act([request])[0]
         trainer.backend.reset_cache()  # the cached prefix was computed without the adapter
-        from_live = trainer.live.act([request])[0]
+        from_live = trainer.lineup.live.act([request])[0]
     assert from_snapshot.logp_sample == pytest.approx(from_base.logp_sample, abs=1e-5)
     assert from_live.logp_sample != pytest.approx(from_base.logp_sample, abs=1e-5)
 

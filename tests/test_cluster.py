@@ -69,7 +69,7 @@ def test_workers_join_a_cluster_by_address_and_play_the_in_process_episodes(two_
     config = _config(tmp_path, "cluster", "rollout.workers=2", f"rollout.ray_address={two_nodes.address}")
     trainer = start_run(config, tiny_model(tokenizer, seed=2))
     nodes: list[str] = []
-    trainer.fit(lambda line: nodes.extend(trainer.workers.nodes if trainer.workers else []))
+    trainer.fit(lambda line: nodes.extend(trainer.rollouts.workers.nodes if trainer.rollouts.workers else []))
     assert len(nodes) == 4 and len(set(nodes)) == 2  # one actor on each node (one CPU each), both iterations
     for iteration in range(2):
         a = read_episodes(local / "episodes" / f"iter-{iteration:06d}.parquet")
@@ -85,7 +85,7 @@ def test_a_cluster_address_needs_workers(tmp_path):
 def test_a_worker_that_cannot_see_the_run_directory_says_so(tmp_path):
     config = _config(tmp_path, "pool", "method.kind=adalign", "rollout.opponent=pool")
     trainer = start_run(config, tiny_model(load_tokenizer(), seed=2))
-    elsewhere = replace(trainer._live_source(), pool_run=RunDir(tmp_path / "not-mounted"))
+    elsewhere = replace(trainer.rollouts.live_source(), pool_run=RunDir(tmp_path / "not-mounted"))
     worker = RolloutWorker("ipd", LMOptions(), elsewhere)
     with pytest.raises(RepertoryError, match="not on this worker's node .*every node mounts at the same path"):
         worker.live.load_snapshot(0)

@@ -161,7 +161,7 @@ def test_a_run_one_version_stale_plays_the_schedule_reproducibly_and_resumes_wit
     assert [line["async/staleness"] for line in lines] == [0.0, 1.0, 1.0]
     assert lines[1]["async/turns_at_gap/1"] == 1.0 and lines[1]["async/staleness_max"] == 1.0
     assert lines[1]["offpolicy/weight_mean"] != 1.0  # a version old: the learner reweights its tokens
-    assert trainer.discarded_episodes == 0
+    assert trainer.rollouts.discarded_episodes == 0
     # iteration 0 is sampled by the initial policy either way, by a copy in the sampler thread here
     for x, y in zip(_episodes(synchronous, 0), _episodes(run_dir, 0)):
         assert [t.response_ids for t in x.turns] == [t.response_ids for t in y.turns]
@@ -181,7 +181,7 @@ def test_a_run_one_version_stale_plays_the_schedule_reproducibly_and_resumes_wit
 
     with pytest.raises(_Stop):
         stopped.fit(stop_after_two)
-    assert stopped.discarded_episodes in (0, 4)  # iteration 2 played ahead, or not yet begun
+    assert stopped.rollouts.discarded_episodes in (0, 4)  # iteration 2 played ahead, or not yet begun
     resumed = resume_run(stopped.run_dir, loaded=tiny_model(tokenizer, seed=2))
     resumed.fit()
     # the resumed run samples its first iteration with the restored policy: within the bound, not the same

@@ -807,9 +807,9 @@ def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_epi
     assert metrics["sft/kept_turns"] > 0
     single = tmp_path / "one.parquet"
     write_episodes(single, demos[:1])
-    assert len(read_logs(single, trainer.env, tokenizer, 0.95)[0]) == len(demos[0].trajectory("p0"))
+    assert len(read_logs(single, trainer.lineup.env, tokenizer, 0.95)[0]) == len(demos[0].trajectory("p0"))
     # Every seat's turns, for self-play: the customer's too, each with its own outcome.
-    both = read_logs(single, trainer.env, tokenizer, 0.95, every_seat=True)[0]
+    both = read_logs(single, trainer.lineup.env, tokenizer, 0.95, every_seat=True)[0]
     assert [(t.seat_id, t.response) for t in both] == [
         (seat, t.text) for seat in ("p0", "p1") for t in demos[0].trajectory(seat)
     ]
@@ -819,7 +819,7 @@ def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_epi
     other = tmp_path / "other"
     EpisodeStore(other).append(play_episodes("ipd", ["always-cooperate", "always-defect"]))
     with pytest.raises(RepertoryError, match="is a game of ipd, not craigslist"):
-        read_logs(other, trainer.env, tokenizer, 0.95)
+        read_logs(other, trainer.lineup.env, tokenizer, 0.95)
 
 
 @pytest.mark.slow

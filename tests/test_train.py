@@ -154,7 +154,7 @@ class _Stop(Exception):
 @pytest.mark.parametrize("precision,gap", [("float32", 1e-4), ("bfloat16", 1e-2)])
 def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, tokenizer, precision, gap):
     straight = start_run(_config(tmp_path, "straight", f"model.precision={precision}"), tiny_model(tokenizer, seed=2))
-    assert straight.precision == precision and straight.backend.precision == precision
+    assert straight.learner.precision == precision and straight.backend.precision == precision
     run_dir = straight.fit()
     assert (run_dir / "config.yaml").is_file()
     assert load_config(str(run_dir / "config.yaml")) == straight.config
@@ -412,7 +412,7 @@ def test_kl_in_reward_mode_lowers_each_turn_reward_by_its_penalty(tmp_path, toke
         _config(tmp_path, "kl-reward", "method.estimator=grpo", "algo.kl_mode=reward", "algo.beta_kl=0.5"),
         tiny_model(tokenizer, seed=2),
     )
-    episodes = run_episodes(trainer.specs(0))
+    episodes = run_episodes(trainer.lineup.specs(0))
     batch = collect(episodes)
     trainer.learner.score(batch)
     for scored in batch.experience.values():
@@ -453,6 +453,6 @@ def test_training_on_a_negotiation_trains_the_first_seat_against_a_guarded_partn
     trainer = start_run(
         _config(tmp_path, "nego", "rollout.env=ultimatum", "rollout.opponent=base", f"model.name={tiny_path}")
     )
-    specs = trainer.specs(0)
+    specs = trainer.lineup.specs(0)
     assert all(s.trainable == [True, False] and s.guarded == [False, True] for s in specs)
-    assert all(s.agents[0] is trainer.live for s in specs)
+    assert all(s.agents[0] is trainer.lineup.live for s in specs)

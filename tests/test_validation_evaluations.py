@@ -29,7 +29,7 @@ class ScriptedTrainer(Trainer):
         self.run_dir = RunDir(tmp_path / "run")
         self.run_dir.root.mkdir()
         self.run_dir.config.write_text(dump_config(self.config))
-        self.judge, self.pipeline, self.workers, self.iteration = None, None, None, 0
+        self.judge, self.iteration = None, 0
         self.evaluations: list[tuple[int, bool]] = []
 
     def evaluate(self, iteration, keep=None, validation=False):
@@ -39,7 +39,10 @@ class ScriptedTrainer(Trainer):
         return {**{f"eval/{k}": v for k, v in scores.items()}, "eval/invalid_rate": 0.0, "time/eval_s": 0.5}
 
     def run_iteration(self, iteration):
-        return {"iteration": iteration, **self.periodic_evaluation(iteration)}
+        return {}  # the loop runs the due evaluations itself
+
+    def close(self):
+        pass
 
     def save_checkpoint(self, done):
         return None

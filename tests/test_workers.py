@@ -82,7 +82,7 @@ def test_a_dead_worker_fails_the_iteration_and_the_run_resumes(ray_cluster, tmp_
     trainer = start_run(_config(tmp_path, "dies", "rollout.workers=2"), tiny_model(tokenizer, seed=2))
 
     def kill_a_worker(line):
-        ray_cluster.kill(trainer.workers.actors[1])
+        ray_cluster.kill(trainer.rollouts.workers.actors[1])
 
     shard = r"worker 1 of 2 failed playing episodes ipd/s0/i1/00002 to ipd/s0/i1/00003"
     with pytest.raises(RepertoryError, match=shard):
@@ -127,4 +127,4 @@ def test_workers_play_ahead_the_episodes_the_in_process_pipeline_plays(ray_clust
     # the learner reweights each token by the log-prob its sampler recorded: two copies agree to float rounding
     for x, y in zip(_lines(local), _lines(run_dir), strict=True):
         assert _same(x) == pytest.approx(_same(y), rel=1e-3, abs=1e-6)
-    assert sharded.workers is None and sharded.pipeline is None  # both closed at the end
+    assert sharded.rollouts.workers is None and sharded.rollouts.pipeline is None  # both closed at the end

@@ -353,13 +353,13 @@ def exploitability(
             ],
         )
         trainer = start_run(config, loaded() if loaded is not None else None)
-        if trainer.opponent is None:
+        if trainer.lineup.opponent is None:
             raise RepertoryError(f"victim {victim!r} is not a frozen policy or bot")
         eval_seed = derive(0, "exploit", "eval")
-        before = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        before = evaluate(env, trainer.lineup.live, episodes, eval_seed, "heldout", trainer.lineup.opponent)
         trainer.backend.reset_cache()
         trainer.fit(on_line)
-        after = evaluate(env, trainer.live, episodes, eval_seed, "heldout", trainer.opponent)
+        after = evaluate(env, trainer.lineup.live, episodes, eval_seed, "heldout", trainer.lineup.opponent)
         runs.append(
             ExploitRun(
                 seed,
@@ -371,6 +371,6 @@ def exploitability(
                 [a - b for a, b in zip(after.game_outcomes(), before.game_outcomes(), strict=True)],
             )
         )
-    assert trainer is not None and trainer.opponent is not None
-    selfplay = evaluate(env, trainer.opponent, episodes, derive(0, "exploit", "eval"), "heldout")
+    assert trainer is not None and trainer.lineup.opponent is not None
+    selfplay = evaluate(env, trainer.lineup.opponent, episodes, derive(0, "exploit", "eval"), "heldout")
     return Exploitability(env, victim, iterations, episodes, runs, selfplay.overall)

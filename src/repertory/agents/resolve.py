@@ -64,7 +64,9 @@ def spec_kind(spec: str, env: type[Env], options: LMOptions | None = None) -> st
         return "script"
     if prefix == "openai":
         if openai_spec(spec) is None:
-            raise RepertoryError(f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1")
+            raise RepertoryError(
+                f"agent {spec!r}: write openai:MODEL@BASE_URL, as in openai:gpt-4o@https://api.openai.com/v1"
+            )
         return "openai"
     if re.fullmatch(r"snapshot@\d+", spec):
         return "snapshot"
@@ -110,12 +112,16 @@ def make_agent(spec: str, env: type[Env], options: LMOptions | None = None, live
     if kind == "snapshot":
         if live is None or live.load_snapshot is None:
             raise RepertoryError(f"agent {spec!r}: a snapshot plays only beside a live policy with an opponent pool")
-        adapter = live.load_snapshot(int(spec.removeprefix("snapshot@")))
-        agent = live.agent
-        return LMAgent(agent.backend, spec, agent.params, agent.constrained, agent.seed, spec, adapter)
+        return snapshot_agent(live.agent, spec, live.load_snapshot(int(spec.removeprefix("snapshot@"))))
     if kind == "run":
         return trained_policy(spec.removeprefix("model:"), options, name=spec)
     return language_model(spec.removeprefix("model:"), options, spec)
+
+
+def snapshot_agent(live: LMAgent, spec: str, adapter: str) -> LMAgent:
+    """The live agent's snapshot ``spec`` (``snapshot@K``), loaded as ``adapter`` of the live model: sampled by the
+    same backend, with the same settings."""
+    return LMAgent(live.backend, spec, live.params, live.constrained, live.seed, spec, adapter)
 
 
 def _remote(spec: str, options: LMOptions) -> RemoteAgent:

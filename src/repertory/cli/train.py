@@ -119,9 +119,9 @@ def train(
         try:
             run_dir = trainer.fit(on_line)
         finally:
-            if trainer.discarded_episodes:
+            if trainer.rollouts.discarded_episodes:
                 show(
-                    f"{trainer.discarded_episodes} episodes played ahead (rollout.max_staleness) were never learned "
+                    f"{trainer.rollouts.discarded_episodes} episodes played ahead (rollout.max_staleness) were never learned "
                     "from; --resume plays those iterations again with the restored policy"
                 )
     if not distributed.is_main():

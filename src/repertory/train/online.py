@@ -20,8 +20,7 @@ from repertory.train import distributed
 from repertory.train.base import Trainer
 from repertory.train.batch import collect
 from repertory.train.methods import OnlineMethod
-from repertory.train.pipeline import staleness_metrics
-from repertory.types import Episode, RepertoryError
+from repertory.types import RepertoryError
 
 
 class OnlineTrainer(Trainer):
@@ -32,25 +31,19 @@ class OnlineTrainer(Trainer):
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         """Rollout, estimate, update; returns the iteration's metrics line."""
         algo = self.config.algo
-        line: dict[str, Any] = {"iteration": iteration}
-        if distributed.is_main():
-            line.update(self.periodic_evaluation(iteration))
-        if self.pool is not None and iteration % self.pool.config.snapshot_every == 0:
-            if distributed.is_main():
-                self.pool.take(iteration)
-            distributed.barrier()  # every process loads the snapshot file
-        episodes, timing = self.rollouts(iteration)
+        pool = self.lineup.pool
+        if pool is not None:
+            pool.before_rollout(iteration)
+        episodes, timing = self.rollouts.of_iteration(iteration)
         if distributed.is_main():
             write_episodes(self.run_dir.episodes(iteration), episodes)
-        line.update(rollout_metrics(episodes))
-        if self.pool is not None:
-            line["pool/snapshots"] = len(self.pool.snapshots())
-            line["pool/snapshot_matches"] = sum(
-                any(s.policy_id.startswith("snapshot@") for s in ep.seats) for ep in episodes
-            ) / len(episodes)
+        line: dict[str, Any] = {**rollout_metrics(episodes)}
+        if pool is not None:
+            line.update(pool.metrics(episodes))
 
         start = time.perf_counter()
-        batch = collect([ep for ep in episodes if not ep.judge_failed], algo.packing, algo.mask_truncated, self.roles)
+        roles = self.lineup.live.roles
+        batch = collect([ep for ep in episodes if not ep.judge_failed], algo.packing, algo.mask_truncated, roles)
         if not batch.sequences:
             raise RepertoryError(
                 f"iteration {iteration}: no trainable tokens (no live seat produced a response); "
@@ -81,26 +74,3 @@ class OnlineTrainer(Trainer):
             }
         )
         return line
-
-    def rollouts(self, iteration: int) -> tuple[list[Episode], dict[str, float]]:
-        """The iteration's episodes and their rollout metrics: played now by the current policy, or (with
-        ``rollout.max_staleness``) taken from the pipeline that played them ahead."""
-        if not self.config.rollout.max_staleness:
-            start = time.perf_counter()
-            generated_before = self.backend.stats.generated_tokens
-            episodes = self.play(self.specs(iteration))
-            rollout_s = time.perf_counter() - start
-            generated = self.backend.stats.generated_tokens - generated_before
-            return episodes, {
-                "time/rollout_s": rollout_s,
-                "throughput/rollout_tok_s": generated / rollout_s if rollout_s else 0.0,
-            }
-        played, waited = self.played_ahead(iteration)
-        generated = sum(len(turn.response_ids) for ep in played.episodes for turn in ep.turns)
-        return played.episodes, {
-            "time/rollout_s": played.rollout_s,
-            "time/rollout_wait_s": waited,
-            "throughput/rollout_tok_s": generated / played.rollout_s if played.rollout_s else 0.0,
-            "async/sampled_by_version": float(played.version),
-            **staleness_metrics(played.episodes, self.backend.version),
-        }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
 from typing import Any
 
 from peft import get_peft_model_state_dict
@@ -12,30 +11,43 @@ from safetensors.torch import save_file
 
 from repertory.agents import Agent
 from repertory.agents.lm import LIVE_ADAPTER, LMAgent
+from repertory.agents.resolve import snapshot_agent
 from repertory.config import PoolConfig
 from repertory.models.checkpoints import load_adapter
 from repertory.runs import RunDir
-from repertory.types import RepertoryError, derive
+from repertory.train import distributed
+from repertory.types import Episode, RepertoryError, derive
 
 
 class OpponentPool:
     """Snapshots of the live adapter (docs/algorithms.md 7.5), kept as files in the run directory and loaded
     as named adapters into the policy model for the iterations that serve them (``snapshot@K`` agents)."""
 
-    def __init__(
-        self, peft: Any, run_dir: RunDir, config: PoolConfig, seed: int, live: Agent, resolve: Callable[[str], Agent]
-    ):
-        """``live`` plays the matches no snapshot is drawn for; ``resolve`` builds the ``snapshot@K`` agents."""
+    def __init__(self, peft: Any, run_dir: RunDir, config: PoolConfig, seed: int, live: LMAgent):
+        """``live`` plays the matches no snapshot is drawn for; each ``snapshot@K`` is its adapter of ``peft``."""
         if peft is None:
             raise RepertoryError("rollout.opponent 'pool' serves LoRA snapshots; set model.lora.enabled: true")
         self.peft, self.config, self.seed = peft, config, seed
-        self.live, self.resolve = live, resolve
+        self.live = live
         self.run_dir = run_dir
         self.loaded: dict[int, LMAgent] = {}
 
     def snapshots(self) -> list[int]:
         """Iterations whose snapshot is on disk, oldest first."""
         return self.run_dir.snapshots()
+
+    def before_rollout(self, iteration: int) -> None:
+        """Snapshot the live adapter when ``iteration`` is due (every ``snapshot_every``); data-parallel, process 0
+        writes it and every process waits for the file."""
+        if iteration % self.config.snapshot_every == 0:
+            if distributed.is_main():
+                self.take(iteration)
+            distributed.barrier()
+
+    def metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        """How many snapshots exist, and the share of the iteration's matches a snapshot played."""
+        matches = sum(any(s.policy_id.startswith("snapshot@") for s in ep.seats) for ep in episodes)
+        return {"pool/snapshots": len(self.snapshots()), "pool/snapshot_matches": matches / len(episodes)}
 
     def take(self, iteration: int) -> None:
         """Save the live adapter as snapshot ``iteration`` (atomically; rewriting it is harmless)."""
@@ -61,9 +73,7 @@ class OpponentPool:
             peft.delete_adapter(self.loaded.pop(old).adapter)
         for snap in served:
             if snap not in self.loaded:
-                agent = self.resolve(f"snapshot@{snap}")
-                assert isinstance(agent, LMAgent)
-                self.loaded[snap] = agent
+                self.loaded[snap] = snapshot_agent(self.live, f"snapshot@{snap}", self.load(snap))
         return [self.loaded[i] for i in served]
 
     def draw(self, served: list[LMAgent], iteration: int, match: int) -> Agent:

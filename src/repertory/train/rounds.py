@@ -54,21 +54,21 @@ class RoundsTrainer(Trainer):
 
     def __init__(self, config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None):
         super().__init__(config, run_dir, loaded)
-        assert self.opponent is not None
-        self.partner = _Counting(self.opponent, self)
-        self.opponent = self.partner
+        assert self.lineup.opponent is not None
+        self.partner = _Counting(self.lineup.opponent, self)
+        self.lineup.opponent = self.partner
         self.simulator_episodes = 0
         self.served_counts: dict[str, float] = {}  # round 0 from a served log: what it held and skipped
         self.offline = False
         self.context = RoundContext(
             learner=self.learner,
             backend=self.backend,
-            params=self.live.params,
+            params=self.lineup.live.params,
             constrained=config.rollout.constrained,
             run_dir=run_dir,
             seed=config.seed,
             algo=config.algo,
-            tokenizer=self.loaded.tokenizer,
+            tokenizer=self.learner.tokenizer,
             gamma=self.method.discount,
             sync=self.sync,
             write_credit=self.write_credit,
@@ -91,7 +91,7 @@ class RoundsTrainer(Trainer):
         if round_index == 0 and method.logs:
             every = method.log_seats == "every"
             turns, episodes, served = read_logs(
-                method.logs, self.env, self.loaded.tokenizer, method.gamma, every, method.log_agent
+                method.logs, self.lineup.env, self.learner.tokenizer, method.gamma, every, method.log_agent
             )
             if served is not None:
                 self.served_counts = {
@@ -103,15 +103,14 @@ class RoundsTrainer(Trainer):
             if episodes:  # kept with the run, so later rounds can replay them (ArCHer's buffer)
                 write_episodes(self.run_dir.episodes(0), episodes)
             return turns, episodes
-        episodes = self.play(self.specs(round_index))
+        episodes = self.rollouts.play(self.lineup.specs(round_index))
         self.simulator_episodes += len(episodes)
         write_episodes(self.run_dir.episodes(round_index), episodes)
         return logged_turns([ep for ep in episodes if not ep.judge_failed], round_index, method.gamma), episodes
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         method = self.method.config
-        line: dict[str, Any] = {"iteration": iteration, "round": iteration}
-        line.update(self.periodic_evaluation(iteration))
+        line: dict[str, Any] = {"round": iteration}
         start = time.perf_counter()
         turns, episodes = self.deploy(iteration)
         self.backend.reset_cache()

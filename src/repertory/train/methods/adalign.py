@@ -4,10 +4,9 @@ an opponent pool of past LoRA snapshots of the live policy when ``rollout.oppone
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from repertory.agents import Agent
+from repertory.agents.lm import LMAgent
 from repertory.config import AdAlignConfig
 from repertory.runs import RunDir
 from repertory.train.methods.base import register_method
@@ -21,11 +20,6 @@ class AdvantageAlignment(SelfPlay):
 
     config: AdAlignConfig  # type: ignore[assignment]
 
-    def __init__(self, config: Any, seed: int):
-        super().__init__(config, seed)
-        self.pool: OpponentPool | None = None
-
-    def open_pool(self, peft: Any, run_dir: RunDir, live: Agent, resolve: Callable[[str], Agent]) -> OpponentPool:
-        """The opponent pool of ``rollout.opponent: pool``: snapshots of ``peft``'s live adapter in ``run_dir``."""
-        self.pool = OpponentPool(peft, run_dir, self.config.pool, self.seed, live, resolve)
-        return self.pool
+    def opponents(self, peft: Any, run_dir: RunDir, live: LMAgent) -> OpponentPool:
+        """The opponent pool (7.5): snapshots of ``peft``'s live adapter, kept in ``run_dir``."""
+        return OpponentPool(peft, run_dir, self.config.pool, self.seed, live)

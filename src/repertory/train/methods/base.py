@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 
@@ -28,6 +28,10 @@ from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.turns import read_turns
 from repertory.types import Episode, Registry, RepertoryError, derive
+
+if TYPE_CHECKING:
+    from repertory.agents.lm import LMAgent
+    from repertory.train.pool import OpponentPool
 
 
 class Method:
@@ -54,6 +58,11 @@ class Method:
     def discount(self) -> float:
         """gamma of the held-out expected discounted return J: the method's discount per agent turn."""
         return float(self.config.discount)
+
+    def opponents(self, peft: Any, run_dir: RunDir, live: LMAgent) -> OpponentPool | None:
+        """The method's own opponents for the seats the live policy does not train (``rollout.opponent: pool``):
+        none unless the method keeps them."""
+        return None
 
     def save(self, directory: Path) -> None:
         """Write the method's own state (besides the learner's) into a checkpoint directory."""
