@@ -32,7 +32,7 @@ from repertory.train.heads import QExample, QFunction, fit_q
 from repertory.train.methods.archer import Transition, transitions
 from repertory.train.rounds import RoundsTrainer
 from repertory.train.turns import conversations, first_return, kernel_split, logged_turns, read_logs, read_turns
-from repertory.train.warm import warm_dir
+from repertory.train.warm import WarmPlan
 from repertory.types import Message, RepertoryError
 
 
@@ -938,7 +938,7 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {(r.method.estimator, r.method.gamma) for r in selfplay.values()} == {("omar", 0.95), ("grpo", 1.0)}
     # Both credits start from the one warm start: the bots' grid play imitated, so self-play closes deals.
     assert {(r.warm_start.episodes, r.warm_start.epochs) for r in selfplay.values()} == {(32, 3)}
-    assert len({str(warm_dir(r)) for r in selfplay.values()}) == 1
+    assert len({str(WarmPlan.of(r).directory) for r in selfplay.values()}) == 1
     credit = load_suite("omar-credit-suite")
     ipd = {name: load_config(credit.recipe, overrides) for name, overrides in suite_runs(credit)}
     assert len(ipd) == 15 and credit.metric == "outcome"
@@ -953,7 +953,7 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     # Five seeds of the three credits, 32 matches an update at half results 24's learning rate, one warm start.
     assert len(matches) == 15 and claims.records == "docs/records/results-38"
     assert {(r.rollout.kernels_per_iteration, r.algo.lr, r.iterations) for r in matches.values()} == {(32, 2.5e-4, 6)}
-    assert len({str(warm_dir(r)) for r in matches.values()}) == 1
+    assert len({str(WarmPlan.of(r).directory) for r in matches.values()}) == 1
     assert (claims.probes.partners, claims.probes.exploiters, claims.probes.episodes) == (["always-defect"], [0], 64)
     bargains = load_suite("omar-craigslist-suite")
     deals = {name: load_config(bargains.recipe, overrides) for name, overrides in suite_runs(bargains)}
@@ -961,7 +961,8 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert len(deals) == 15 and {r.method.estimator for r in deals.values()} == {"omar", "gae", "grpo"}
     line_ups = {(r.rollout.opponent, r.eval.episodes, r.evaluation_opponent) for r in deals.values()}
     assert line_ups == {("self", 64, "bot")}
-    assert {warm_dir(r).name for r in deals.values()} == {warm_dir(selfplay["omar-craigslist-s0"]).name}
+    grid_warm = WarmPlan.of(selfplay["omar-craigslist-s0"]).directory.name
+    assert {WarmPlan.of(r).directory.name for r in deals.values()} == {grid_warm}
     check = load_suite("main-job-check-suite")
     main_job = {name: load_config(check.recipe, overrides) for name, overrides in suite_runs(check)}
     # The default recipe unchanged on seeds it was not chosen on, only its evaluation larger.

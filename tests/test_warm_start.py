@@ -19,14 +19,7 @@ from repertory.rollout import run_episodes, schedule
 from repertory.store import read_episodes
 from repertory.train import start_run, warm_started
 from repertory.train.turns import demonstration_turns, read_logs
-from repertory.train.warm import (
-    ConstrainedBot,
-    imitation_config,
-    line_ups,
-    warm_bot,
-    warm_dir,
-    write_demonstrations,
-)
+from repertory.train.warm import ConstrainedBot, WarmPlan
 from repertory.types import RepertoryError
 
 
@@ -54,22 +47,24 @@ def _config(tmp_path, *extra):
 
 
 def test_the_bot_imitated_and_the_cache_key(tmp_path):
-    assert warm_bot(_config(tmp_path)) == "always-cooperate"  # ipd's partner is itself: its first bot
-    assert warm_bot(_config(tmp_path, "rollout.opponent=tit-for-tat")) == "tit-for-tat"
+    assert WarmPlan.of(_config(tmp_path)).bot == "always-cooperate"  # ipd's partner is itself: its first bot
+    assert WarmPlan.of(_config(tmp_path, "rollout.opponent=tit-for-tat")).bot == "tit-for-tat"
     chosen = _config(tmp_path, "warm_start.bot=always-defect", "rollout.opponent=tit-for-tat")
-    assert warm_bot(chosen) == "always-defect"
-    base = warm_dir(_config(tmp_path))
+    assert WarmPlan.of(chosen).bot == "always-defect"
+    base = WarmPlan.of(_config(tmp_path)).directory
     # Seeds and methods share a warm start; the model, the bot and the budget do not.
-    assert warm_dir(_config(tmp_path, "seed=3", "method.estimator=grpo", "iterations=9")) == base
-    assert warm_dir(_config(tmp_path, "method.kind=mt-sft", "rollout.opponent=always-cooperate")) == base
+    assert WarmPlan.of(_config(tmp_path, "seed=3", "method.estimator=grpo", "iterations=9")).directory == base
+    mt_sft = _config(tmp_path, "method.kind=mt-sft", "rollout.opponent=always-cooperate")
+    assert WarmPlan.of(mt_sft).directory == base
     for other in ("warm_start.episodes=3", "warm_start.bot=always-defect", "model.lora.r=4", "rollout.env=ultimatum"):
-        assert warm_dir(_config(tmp_path, other)) != base, other
+        assert WarmPlan.of(_config(tmp_path, other)).directory != base, other
     # Self-play imitates every seat of a game with a trained seat; its warm start is cached apart.
     vendor = _config(tmp_path, "rollout.env=craigslist", "rollout.opponent=bot")
     both = _config(tmp_path, "rollout.env=craigslist", "rollout.opponent=self")
-    assert imitation_config(vendor, tmp_path).method.log_seats == "trained"
-    assert imitation_config(both, tmp_path).method.log_seats == "every"
-    assert warm_dir(both) != warm_dir(vendor) and warm_bot(both) == warm_bot(vendor) == "bot"
+    assert WarmPlan.of(vendor).imitation_config().method.log_seats == "trained"
+    assert WarmPlan.of(both).imitation_config().method.log_seats == "every"
+    assert WarmPlan.of(both).directory != WarmPlan.of(vendor).directory
+    assert WarmPlan.of(both).bot == WarmPlan.of(vendor).bot == "bot"
     with pytest.raises(RepertoryError, match="warm_start.bot: 'bot' is no bot of ipd; allowed: always-cooperate, "):
         _config(tmp_path, "warm_start.bot=bot")
 
@@ -78,7 +73,7 @@ def test_a_run_starts_from_its_warm_start_built_once(tmp_path, tokenizer):
     model = f"model.name={tiny_checkpoint(tmp_path / 'tiny', tokenizer, seed=1)}"
     config = _config(tmp_path, "name=first", "warm_start.bot=always-cooperate", model)
     trainer = start_run(config)
-    directory = warm_dir(config)
+    directory = WarmPlan.of(config).directory
     assert trainer.config.model.name == str(directory / "model")  # the run's config.yaml names it
     demos = read_episodes(directory / "demos.parquet")
     assert len(demos) == 2 and {s.policy_id for ep in demos for s in ep.seats} == {"scripted:always-cooperate"}
@@ -118,7 +113,8 @@ def test_a_constrained_warm_start_demonstrates_the_grid_answer_nearest_the_bots(
         config = load_config(
             None, [f"output_dir={tmp_path}", "rollout.env=craigslist", f"rollout.constrained={constrained}"]
         )
-        write_demonstrations(config.model_copy(update={"warm_start": WarmStartConfig(episodes=4)}), tmp_path / "d")
+        more = config.model_copy(update={"warm_start": WarmStartConfig(episodes=4)})
+        WarmPlan.of(more).write_demonstrations(tmp_path / "d")
         games[constrained] = read_episodes(tmp_path / "d")
     on_grid, free = games["true"][1], games["false"][1]  # list price 2000: vendor floor 1600, customer limit 1650
     assert [t.text for t in free.turns][2:5] == [
@@ -149,15 +145,17 @@ def test_a_partner_shows_how_the_bot_answers_and_only_the_bot_is_imitated(tmp_pa
     """Tit-for-tat against itself cooperates every round; against random it answers defections, in either seat,
     and the imitation learns its turns only."""
     config = _config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.partner=random", "warm_start.episodes=5")
-    assert line_ups(config) == [(["tit-for-tat", "random"], 3), (["random", "tit-for-tat"], 2)]
     alone = _config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.partner=tit-for-tat", "warm_start.episodes=5")
-    assert line_ups(alone) == [(["tit-for-tat", "tit-for-tat"], 5)]
-    assert warm_dir(alone) == warm_dir(_config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.episodes=5"))
-    assert warm_dir(config) != warm_dir(alone)
-    assert imitation_config(config, tmp_path).method.log_agent == "tit-for-tat"
-    assert imitation_config(alone, tmp_path).method.log_agent is None
+    plan, lone = WarmPlan.of(config), WarmPlan.of(alone)
+    assert plan.line_ups == ((("tit-for-tat", "random"), 3), (("random", "tit-for-tat"), 2))
+    assert lone.line_ups == ((("tit-for-tat", "tit-for-tat"), 5),)
+    no_partner = _config(tmp_path, "warm_start.bot=tit-for-tat", "warm_start.episodes=5")
+    assert lone.directory == WarmPlan.of(no_partner).directory
+    assert plan.directory != lone.directory
+    assert plan.imitation_config().method.log_agent == "tit-for-tat"
+    assert lone.imitation_config().method.log_agent is None
 
-    write_demonstrations(config, tmp_path / "demos.parquet")
+    plan.write_demonstrations(tmp_path / "demos.parquet")
     episodes = read_episodes(tmp_path / "demos.parquet")
     assert [[seat.agent for seat in ep.seats] for ep in episodes] == [["tit-for-tat", "random"]] * 3 + [
         ["random", "tit-for-tat"]

@@ -119,9 +119,10 @@ def train(
         try:
             run_dir = trainer.fit(on_line)
         finally:
-            if trainer.rollouts.discarded_episodes:
+            discarded = trainer.rollouts.discarded_episodes
+            if discarded:
                 show(
-                    f"{trainer.rollouts.discarded_episodes} episodes played ahead (rollout.max_staleness) were never learned "
+                    f"{discarded} episodes played ahead (rollout.max_staleness) were never learned "
                     "from; --resume plays those iterations again with the restored policy"
                 )
     if not distributed.is_main():

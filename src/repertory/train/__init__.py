@@ -73,26 +73,22 @@ def build(config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = Non
 def warm_started(
     config: TrainConfig, loaded: LoadedModel | None = None, on_line: Callable[[dict[str, Any]], None] | None = None
 ) -> Path:
-    """The exported warm-started policy of ``config`` (:mod:`repertory.train.warm`): found in its cache, or
-    built there from ``loaded`` (else ``model.name``) — demonstrations, one mt-sft round, the export."""
-    directory = warm.warm_dir(config)
-    model = directory / warm.MODEL
+    """The exported warm-started policy of ``config`` (:class:`~repertory.train.warm.WarmPlan`): found in its
+    cache, or built there from ``loaded`` (else ``model.name``) — demonstrations, one mt-sft round, the export."""
+    plan = warm.WarmPlan.of(config)
+    model = plan.directory / warm.MODEL
     if (model / "config.json").is_file():
         if not any(model.glob("*.safetensors")):  # the export is atomic: these files went missing afterwards
             raise RepertoryError(
-                f"the cached warm start {model} has lost its weights; delete {directory} to rebuild it"
+                f"the cached warm start {model} has lost its weights; delete {plan.directory} to rebuild it"
             )
         return model
     if distributed.world_size() > 1:
-        raise RepertoryError(f"the warm start {directory} is not built yet; build it with one process first")
-    if not (directory / warm.DEMOS).is_file():
-        warm.write_demonstrations(config, directory / warm.DEMOS)
-    run = RunDir(directory / warm.RUN)
-    trainer = (
-        resume_run(run.root, loaded=loaded)
-        if run.is_run()
-        else start_run(warm.imitation_config(config, directory), loaded)
-    )
+        raise RepertoryError(f"the warm start {plan.directory} is not built yet; build it with one process first")
+    if not (plan.directory / warm.DEMOS).is_file():
+        plan.write_demonstrations(plan.directory / warm.DEMOS)
+    run = RunDir(plan.directory / warm.RUN)
+    trainer = resume_run(run.root, loaded=loaded) if run.is_run() else start_run(plan.imitation_config(), loaded)
     if trainer.iteration < trainer.config.iterations:
         trainer.fit(on_line)
     return export_policy(run.root, model, config.model.device or "cpu")
