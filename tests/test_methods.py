@@ -93,7 +93,7 @@ def test_a_run_config_holds_only_its_methods_settings():
 def test_one_discount_per_turn_with_the_estimators_default(recipe, overrides, expected, tokenizer, tmp_path):
     fixed = ["rollout.env=ipd", "rollout.opponent=always-cooperate", "eval.episodes=0", f"output_dir={tmp_path}"]
     trainer = start_run(load_config(recipe, [*overrides, *fixed]), tiny_model(tokenizer))
-    assert trainer.method.discount == expected  # the held-out J's gamma is the method's
+    assert trainer.method.gamma == expected  # the held-out J's gamma is the method's
 
 
 # A new method: its config, its class, and this test (docs/design.md, The method section).
@@ -182,7 +182,7 @@ def test_a_new_method_is_one_file_its_config_and_a_test(loo, tokenizer, tmp_path
 def test_an_old_run_config_reads_as_the_shipped_recipe(recipe, since):
     # The old file carries every method's settings at their defaults; only the method's own come through, and
     # the discount its estimator read, explicitly (the shipped recipe may leave it to the estimator's default).
-    discount = load_config(recipe, since).method.discount
+    discount = load_config(recipe, since).method.gamma
     expected = dump_config(load_config(recipe, [*since, f"method.gamma={discount}"]))
     assert dump_config(load_config(str(OLD / f"{recipe}.yaml"))) == expected
 

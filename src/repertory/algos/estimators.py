@@ -86,11 +86,6 @@ class EstimatorParams(_Knobs):
             raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(family)}")
         return name
 
-    @property
-    def discount(self) -> float:
-        """gamma, or the estimator's default where unset."""
-        return self.gamma if self.gamma is not None else ESTIMATORS[self.estimator].gamma
-
 
 class TurnParams(EstimatorParams, GaeParams):
     """Estimators over a seat's turns: OMAR and GAE with a critic, the critic-free group and EMA baselines."""

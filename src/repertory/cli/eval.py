@@ -333,7 +333,7 @@ def eval_policy(
 ) -> None:
     """Held-out evaluation of one policy (`repertory eval TARGET` for short): normalised outcome per role (mean
     +- standard error), the discounted return and the environment's metrics."""
-    from repertory.eval import evaluate, evaluation_agents, evaluation_discount, evaluation_env, evaluation_lineup
+    from repertory.eval import evaluate, evaluation_agents, evaluation_env, evaluation_gamma, evaluation_lineup
     from repertory.judges import make_judge
 
     check_run_options(split, seed, episodes)
@@ -358,7 +358,7 @@ def eval_policy(
             env_options=options,
             judge=scorer,
             on_progress=on_progress,
-            gamma=evaluation_discount(target),
+            gamma=evaluation_gamma(target),
         )
     if as_json:
         print(json.dumps(result.to_json()))

@@ -9,11 +9,11 @@ literal), a member of :data:`MethodConfig`, and its file in ``repertory/train/me
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from repertory.algos import AlignmentParams, GaeParams, TurnParams
+from repertory.algos import ESTIMATORS, AlignmentParams, GaeParams, TurnParams
 from repertory.config.sections import AdapterConfig, _Section
 from repertory.types import Registry, RepertoryError
 
@@ -43,7 +43,20 @@ class PoolConfig(_Section):
 # Online methods
 
 
-class SelfPlayConfig(TurnParams):
+class _GammaResolved(BaseModel):
+    """An online method's ``gamma``, resolved once when the config loads: unset, its estimator's default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _estimators_gamma(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("gamma") is None:
+            spec = ESTIMATORS.get(data.get("estimator", cls.model_fields["estimator"].default))
+            if spec is not None:  # an unknown estimator is refused by its own field
+                data = {**data, "gamma": spec.gamma}
+        return data
+
+
+class SelfPlayConfig(_GammaResolved, TurnParams):
     """Online self-play (OMAR, docs/algorithms.md 2-4): every iteration plays the line-up, the registered
     estimator turns rewards into per-token advantages, the learner runs PPO epochs."""
 
@@ -51,7 +64,7 @@ class SelfPlayConfig(TurnParams):
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
 
-class AdAlignConfig(AlignmentParams):
+class AdAlignConfig(_GammaResolved, AlignmentParams):
     """Advantage Alignment and its baselines (docs/algorithms.md 7): round credit from both seats' advantages,
     against past LoRA snapshots of the live policy when ``rollout.opponent`` is ``pool``."""
 
@@ -93,11 +106,6 @@ class RoundMethodConfig(_Section):
     reference: Literal["round", "initial"] = Field(
         "round", description="KL reference while improving: the round's policy pi_k or the initial pi_0."
     )
-
-    @property
-    def discount(self) -> float:
-        """gamma (as the online methods' ``discount``, which resolves the estimator's default)."""
-        return self.gamma
 
 
 class AttentionAdapterConfig(AdapterConfig):

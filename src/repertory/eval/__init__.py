@@ -19,7 +19,7 @@ from repertory.agents.resolve import language_model, make_agent, spec_kind, trai
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class
 from repertory.eval.scores import (
-    DISCOUNT,
+    GAMMA,
     JudgedStats,
     TeamStats,
     judged_stats,
@@ -53,7 +53,7 @@ class Evaluation:
     discounted: tuple[float, float]
     invalid_rate: float
     metrics: dict[str, float]
-    gamma: float = DISCOUNT
+    gamma: float = GAMMA
     games: dict[str, int] = field(default_factory=dict)
     """How many of the agent's seats each role's outcome averages."""
     teams: dict[str, TeamStats] = field(default_factory=dict)
@@ -103,7 +103,7 @@ def evaluate(
     split: str = "heldout",
     opponent: Agent | None = None,
     iteration: int = 0,
-    gamma: float = DISCOUNT,
+    gamma: float = GAMMA,
     max_concurrent: int | None = None,
     workers: WorkerPool | None = None,
     env_options: dict[str, Any] | None = None,
@@ -196,10 +196,10 @@ def partner_outcome(result: Evaluation) -> tuple[float, float]:
     return mean_se([x for v in scores.outcomes.values() for x in v])
 
 
-def evaluation_discount(target: str) -> float:
+def evaluation_gamma(target: str) -> float:
     """gamma of the expected discounted return of ``repertory eval TARGET``: the run's method's, or 0.95 for
     ``base``."""
-    return DISCOUNT if target == "base" else resolve_checkpoint(target)[1].method.discount
+    return GAMMA if target == "base" else resolve_checkpoint(target)[1].method.gamma
 
 
 def _target_config(target: str, env: str | None, model: str) -> TrainConfig:

@@ -12,11 +12,11 @@ from repertory.envs import env_class
 from repertory.stats import mean_se
 from repertory.types import Episode, RoleResult
 
-DISCOUNT = 0.95
+GAMMA = 0.95
 """gamma per own turn of the I-GRPO metric gamma^(n-1) * outcome (docs/environments.md 1.4)."""
 
 
-def discounted(role: RoleResult, gamma: float = DISCOUNT) -> float:
+def discounted(role: RoleResult, gamma: float = GAMMA) -> float:
     """One game's discounted return: gamma^(n-1) * outcome, n being the role's own turns."""
     return gamma ** max(role.n_turns - 1, 0) * role.outcome
 
@@ -228,7 +228,7 @@ class SeatScores:
         return self.invalid / self.turns if self.turns else 0.0
 
 
-def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = DISCOUNT) -> SeatScores:
+def seat_scores(episodes: list[Episode], selected: Callable[[int, int], bool], gamma: float = GAMMA) -> SeatScores:
     """Scores of the seats for which ``selected(episode_index, seat_index)`` holds."""
     scores = SeatScores()
     for i, ep in enumerate(episodes):

@@ -115,7 +115,7 @@ def write_matrix_figure(
 # The results table of batch-online runs (docs/algorithms.md 5.7)
 
 TABLE_METRICS = {"discounted_return": "held-out expected discounted return", "outcome": "held-out outcome"}
-"""The scores a results table can hold: J at the method's discount (5.7), or the mean normalised outcome."""
+"""The scores a results table can hold: J at the method's gamma (5.7), or the mean normalised outcome."""
 
 
 NO_VALIDATION = (
@@ -282,15 +282,15 @@ def default_metric(runs: Sequence[str | os.PathLike[str]]) -> tuple[str, str]:
     """The score of a table of ``runs`` where none is asked for, and why when it is not J: J (5.7), unless a
     run's ``method.gamma`` is 0, where J is 0 for every policy that plays more than one turn. A table holds one
     score, so then every run's cell is its outcome, which a gamma-0 run's J would otherwise read 0 beside."""
-    flat = [RunDir.existing(run).name for run in runs if _discount(run) == 0]
+    flat = [RunDir.existing(run).name for run in runs if _gamma(run) == 0]
     if not flat:
         return "discounted_return", ""
     who = flat[0] if len(flat) == 1 else f"{len(flat)} of the {len(runs)} runs"
     return "outcome", f"the outcome, not J: method.gamma is 0 in {who}, and {J_IS_ZERO}"
 
 
-def _discount(run: str | os.PathLike[str]) -> float:
-    return load_run_config(RunDir.existing(run).config).method.discount
+def _gamma(run: str | os.PathLike[str]) -> float:
+    return load_run_config(RunDir.existing(run).config).method.gamma
 
 
 def results_table(

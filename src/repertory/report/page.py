@@ -117,13 +117,13 @@ def sample_evenly(items_per_group: list[list[Any]], limit: int) -> list[Any]:
     return [flat[(2 * i + 1) * len(flat) // (2 * limit)] for i in range(limit)]
 
 
-def _evaluations(lines: list[dict[str, Any]], discount: float | None) -> dict[str, Any]:
+def _evaluations(lines: list[dict[str, Any]], gamma: float | None) -> dict[str, Any]:
     """The held-out evaluations of the metrics lines: one row per evaluated iteration (``final/*`` one later),
-    and a note on J at the run's ``discount``; at 0 J is left out, being 0 whatever the policy did."""
+    and a note on J at the run's ``gamma``; at 0 J is left out, being 0 whatever the policy did."""
     rows = []
     for line in with_final(lines):
         values = {k[5:]: v for k, v in line.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-        if discount == 0:  # the validation evaluation's J too
+        if gamma == 0:  # the validation evaluation's J too
             values = {
                 k: v for k, v in values.items() if not k.removeprefix("validation/").startswith("discounted_return")
             }
@@ -131,10 +131,10 @@ def _evaluations(lines: list[dict[str, Any]], discount: float | None) -> dict[st
             rows.append({"iteration": line["iteration"], **values})
     columns = sorted({k for row in rows for k in row if k != "iteration" and not is_standard_error(k)}, key=_eval_order)
     note = ""
-    if discount == 0:
+    if gamma == 0:
         note = f"discounted_return (J) is left out: this run's method.gamma is 0, and {J_IS_ZERO}."
-    elif discount is not None and "discounted_return" in columns:
-        note = f"discounted_return is J, the expected return discounted by method.gamma = {discount:g} per own turn."
+    elif gamma is not None and "discounted_return" in columns:
+        note = f"discounted_return is J, the expected return discounted by method.gamma = {gamma:g} per own turn."
     return {"columns": columns, "rows": rows, "note": note}
 
 
@@ -147,11 +147,11 @@ def _eval_order(key: str) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class _RunFacts:
-    """What the page reads from the run's config: the evaluation line-up, the game's key metric, J's discount."""
+    """What the page reads from the run's config: the evaluation line-up, the game's key metric, J's gamma."""
 
     opponent: str | None = None
     key_metric: KeyMetric | None = None
-    discount: float | None = None
+    gamma: float | None = None
 
 
 def _run_facts(run_dir: RunDir, warnings: list[str]) -> _RunFacts:
@@ -159,7 +159,7 @@ def _run_facts(run_dir: RunDir, warnings: list[str]) -> _RunFacts:
         return _RunFacts()
     try:
         config = load_run_config(run_dir.config)
-        return _RunFacts(config.evaluation_opponent, env_class(config.rollout.env).key_metric, config.method.discount)
+        return _RunFacts(config.evaluation_opponent, env_class(config.rollout.env).key_metric, config.method.gamma)
     except RepertoryError as exc:
         warnings.append(f"{run_dir.config}: the game and the evaluation line-up are unknown ({exc})")
         return _RunFacts()
@@ -279,7 +279,7 @@ def page_data(run_dir: str | os.PathLike[str], max_episodes: int = MAX_EPISODES)
         "figures": _figures(lines),
         "headline": _headline(lines, facts),
         "behaviour": _behaviour(lines, facts),
-        "evaluations": _evaluations(lines, facts.discount),
+        "evaluations": _evaluations(lines, facts.gamma),
         "crossplay": _crossplay(run_dir, warnings),
         "episodes": episodes,
         "episodes_total": total,

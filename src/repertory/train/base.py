@@ -65,8 +65,8 @@ class Trainer:
             loaded,
             config.algo,
             config.model.lora,
-            self.method.value_settings,
-            needs_critic=self.method.value,
+            self.method.critic_settings,
+            needs_critic=self.method.needs_critic,
             temperature=config.rollout.temperature,
             seed=config.seed,
             # played ahead, samples come from an older policy: auto corrects them
@@ -148,7 +148,7 @@ class Trainer:
             seed,
             split,
             self.lineup.eval_opponent,
-            gamma=self.method.discount,
+            gamma=self.method.gamma,
             env_options=config.rollout.env_options,
             judge=self.judge,
         )

@@ -69,7 +69,7 @@ class RoundsTrainer(Trainer):
             seed=config.seed,
             algo=config.algo,
             tokenizer=self.learner.tokenizer,
-            gamma=self.method.discount,
+            gamma=self.method.gamma,
             sync=self.sync,
             write_credit=self.write_credit,
         )

@@ -45,19 +45,19 @@ class Method:
         self.seed = seed
 
     @property
-    def value(self) -> bool:
+    def needs_critic(self) -> bool:
         """Whether the learner carries a value model for this method."""
         return False
 
     @property
-    def value_settings(self) -> CriticConfig:
-        """The learner's value model's settings (read only when :attr:`value`)."""
+    def critic_settings(self) -> CriticConfig:
+        """The learner's value model's settings (read only when :attr:`needs_critic`)."""
         return getattr(self.config, "critic", None) or CriticConfig()
 
     @property
-    def discount(self) -> float:
+    def gamma(self) -> float:
         """gamma of the held-out expected discounted return J: the method's discount per agent turn."""
-        return float(self.config.discount)
+        return float(self.config.gamma)
 
     def opponents(self, peft: Any, run_dir: RunDir, live: LMAgent) -> OpponentPool | None:
         """The method's own opponents for the seats the live policy does not train (``rollout.opponent: pool``):

@@ -30,7 +30,7 @@ class MTPPO(RoundMethod):
         self.params = TurnParams(estimator="gae", gamma_token=config.gamma_token, lam=config.lam)
 
     @property
-    def value(self) -> bool:
+    def needs_critic(self) -> bool:
         return True
 
     def estimator_inputs(self, batch: Batch) -> list[algos.TrajectoryInput]:

@@ -75,7 +75,7 @@ class SelfPlay(OnlineMethod):
         self.estimator_state: dict[str, Any] = {}  # the EMA baselines, carried across iterations
 
     @property
-    def value(self) -> bool:
+    def needs_critic(self) -> bool:
         return self.estimator.needs_critic
 
     def credit(self, batch: Batch, algo: AlgoConfig) -> dict[str, float]:
