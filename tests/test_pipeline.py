@@ -30,7 +30,7 @@ class _Sampler:
         self.updates: list[int] = []
         self.played = 0
 
-    def update(self, version, tensors):
+    def publish(self, version, tensors):
         self.version, self.weights = version, tensors["w"].item()
         self.updates.append(version)
 

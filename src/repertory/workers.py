@@ -4,7 +4,7 @@ The episodes of one call are cut into N contiguous shards, one per Ray actor; ea
 backend, environments and agents and plays its shard with the ordinary engine (:func:`run_episodes`).
 Agents travel as their specs (``tit-for-tat``, ``base``, ``model:PATH``, ``snapshot@K``...), which every
 actor resolves itself with :func:`~repertory.agents.resolve.make_agent`; ``live`` is the trainer's policy,
-rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`WorkerPool.update` after
+rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`WorkerPool.publish` after
 every learner update (the live adapter under LoRA, all weights otherwise), tagged with its version.
 
 Sampling seeds depend on episode, seat and turn only, so with the ``hf`` backend a sharded call plays the
@@ -126,7 +126,7 @@ class RolloutWorker:
 
         return LivePolicy(agent, peft, reference, load_snapshot, source.engine)
 
-    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Take the live policy's new weights (after a learner update) as version ``version``."""
         if self.live is None:
             raise RepertoryError("this worker has no live policy to update")
@@ -190,10 +190,10 @@ class WorkerPool:
         # built, or the error of the first that failed; then the node each one landed on
         self.nodes: list[str] = self._gather([a.node.remote() for a in self.actors], "starting", [])
 
-    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Send the live policy's new weights to every actor."""
         ref = self.ray.put({k: v.detach().cpu() for k, v in tensors.items()})
-        self._gather([a.update.remote(version, ref) for a in self.actors], "updating the policy", [])
+        self._gather([a.load_weights.remote(version, ref) for a in self.actors], "updating the policy", [])
 
     def play(
         self,
@@ -268,8 +268,8 @@ class LocalSampler:
     max_concurrent: int
     schedule: str
 
-    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.worker.update(version, tensors)
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.worker.load_weights(version, tensors)
 
     def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
         return self.worker.play(by_name(specs, self.spec_of), self.max_concurrent, self.schedule)
@@ -284,8 +284,8 @@ class PoolSampler:
     max_concurrent: int
     schedule: str
 
-    def update(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.pool.update(version, tensors)
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.pool.publish(version, tensors)
 
     def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
         return self.pool.play(specs, self.spec_of, self.max_concurrent, self.schedule)

@@ -95,7 +95,7 @@ class Trainer:
         """End the rollout pipeline and workers, if any."""
         self.rollouts.close()
 
-    def sync(self) -> None:
+    def publish(self) -> None:
         """After an update: the backend (and every sampler of its own) samples the learner's current weights."""
         self.rollouts.publish(self.iteration + 1)
 
@@ -224,7 +224,7 @@ class Trainer:
         random.setstate(rng["python"])
         state = json.loads((path / "trainer_state.json").read_text())
         self.iteration = state["iterations_done"]
-        self.sync()  # an engine with its own copy of the weights (vllm) samples the restored ones
+        self.publish()  # an engine with its own copy of the weights (vllm) samples the restored ones
         self.backend.version = state.get("policy_version", 0)  # checkpoints written before versions: 0
 
     # the loop

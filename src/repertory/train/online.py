@@ -55,7 +55,7 @@ class OnlineTrainer(Trainer):
         self.write_credit(iteration, batch)
         update = self.learner.update(batch, iteration)
         train_s = time.perf_counter() - start
-        self.sync()
+        self.publish()
 
         seq_tokens = sum(len(s.input_ids) for s in batch.sequences)
         line.update(

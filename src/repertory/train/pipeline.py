@@ -35,7 +35,7 @@ Weights = dict[str, torch.Tensor]
 class Sampler(Protocol):
     """What plays the episodes ahead of the learner, with weights it is sent."""
 
-    def update(self, version: int, tensors: Weights) -> None: ...
+    def publish(self, version: int, tensors: Weights) -> None: ...
 
     def play(self, specs: list[EpisodeSpec]) -> list[Episode]: ...
 
@@ -140,7 +140,7 @@ class AsyncRollouts:
                         return
                     version, weights = self._published[need]
                 if need != loaded:
-                    self.sampler.update(version, weights)
+                    self.sampler.publish(version, weights)
                     loaded = need
                 begin = time.perf_counter()
                 episodes = self.sampler.play(self.specs(iteration))

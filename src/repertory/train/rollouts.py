@@ -101,7 +101,7 @@ class Rollouts:
         if self.pipeline is not None:
             self.pipeline.publish(iteration, backend.version, self._live_weights())
         elif self.workers is not None:
-            self.workers.update(backend.version, self._live_weights())
+            self.workers.publish(backend.version, self._live_weights())
 
     def close(self) -> None:
         """End the asynchronous pipeline and the rollout workers, if any."""

@@ -70,7 +70,7 @@ class RoundsTrainer(Trainer):
             algo=config.algo,
             tokenizer=self.learner.tokenizer,
             gamma=self.method.gamma,
-            sync=self.sync,
+            publish=self.publish,
             write_credit=self.write_credit,
         )
 
@@ -139,7 +139,7 @@ class RoundsTrainer(Trainer):
             self.offline = False
         if self.partner.calls != partner_calls:
             raise RuntimeError("the improvement step asked the partner")  # 5.2: improvement is offline
-        self.sync()
+        self.publish()
         line["time/train_s"] = time.perf_counter() - start
         return line
 

@@ -107,7 +107,7 @@ class Archer(RoundMethod):
             loss, adv = self.actor_step(
                 ctx.learner, [x.prompt_ids for x in states], [g.response_ids for g in generations]
             )
-            ctx.sync()  # the next states' fresh samples come from the updated policy
+            ctx.publish()  # the next states' fresh samples come from the updated policy
             actor_losses.append(loss)
             advantages += adv
         metrics["loss/actor"] = sum(actor_losses) / len(actor_losses)

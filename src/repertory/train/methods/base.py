@@ -95,7 +95,7 @@ class RoundContext:
     algo: AlgoConfig
     tokenizer: Any
     gamma: float
-    sync: Callable[[], None]
+    publish: Callable[[], None]
     write_credit: Callable[[int, Batch], None]
 
     def history(

@@ -86,7 +86,7 @@ class IGRPO(RoundMethod):
                 ctx.learner.score(batch)
                 batch.assign(adv)
                 stats = ctx.learner.update(batch, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
-                ctx.sync()  # the next step samples its candidates from the updated policy
+                ctx.publish()  # the next step samples its candidates from the updated policy
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
