@@ -161,7 +161,7 @@ def test_an_update_from_reused_log_probs_equals_one_from_rescored(tokenizer, epi
         batch = collect(episodes)
         learner.score(batch, version=version)
         batch.assign({i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)})
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
         weights.append(torch.cat([p.detach().flatten() for p in learner.trainable_parameters()]))
     assert torch.allclose(weights[0], weights[1], rtol=0, atol=1e-6)
 
@@ -189,7 +189,7 @@ def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes)
         advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
         returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
         batch.assign(advantages, returns)
-        stats = learner.update(batch, iteration=0)
+        stats = learner.update(batch, seed_key=0)
         weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
         results[packing] = (batch, stats, weights)
     (b1, s1, w1), (b2, s2, w2) = results[True], results[False]
@@ -244,7 +244,7 @@ def test_candidates_sharing_one_prompt_give_the_same_log_probs_values_and_update
         advantages = {i: torch.full((s.n_tokens,), 0.2 * (i % 4 - 1.5)) for i, s in enumerate(samples)}
         returns = {i: torch.full((s.n_tokens,), 0.1 * (i % 3)) for i, s in enumerate(samples)}
         batch.assign(advantages, returns)
-        stats = learner.update(batch, iteration=0)
+        stats = learner.update(batch, seed_key=0)
         weights = torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
         results[name] = (batch, stats, weights)
     (b1, s1, w1), (b2, s2, w2) = results["separate"], results["tree"]
@@ -278,7 +278,7 @@ def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
 
         learner.optimizer.step = capture
         batch.assign(advantages, returns)
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
         assert len(learner._micro_batches(batch.sequences)) == (len(batch.sequences) if budget == 1 else 1)
         grads[budget] = captured[0]
     a, b = grads[1], grads[1 << 20]
@@ -302,10 +302,10 @@ def test_an_update_needs_a_scored_batch_with_advantages(tokenizer, episodes):
     learner = _learner(tokenizer, critic=False)
     batch = collect(episodes)
     with pytest.raises(ValueError, match=r"were not scored: call Learner.score\(batch\) before update"):
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
     learner.score(batch)
     with pytest.raises(ValueError, match=r"have no advantages: call batch.assign"):
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
     scored = sorted(batch.experience)
     with pytest.raises(ValueError, match=f"sample {scored[0]} was scored but has no advantages"):
         batch.assign({i: torch.zeros(batch.samples[i].n_tokens) for i in scored[1:]})
@@ -319,13 +319,13 @@ def test_a_step_that_cannot_move_the_policy_is_skipped(tokenizer, episodes):
     learner.score(batch)
     zero = {i: torch.zeros(s.n_tokens) for i, s in enumerate(batch.samples)}
     batch.assign(zero)
-    stats = learner.update(batch, iteration=0)
+    stats = learner.update(batch, seed_key=0)
     # zero advantages at pi = reference: the true gradient is 0, and no step (AdamW would amplify float noise)
     assert stats["skipped_frac"] == 1.0 and stats["loss/policy"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(initial, learner.trainable_parameters()))
     one = {i: torch.where(torch.arange(s.n_tokens) == 0, 1.0, 0.0) for i, s in enumerate(batch.samples)}
     batch.assign(one)
-    stats = learner.update(batch, iteration=1)
+    stats = learner.update(batch, seed_key=1)
     assert stats["skipped_frac"] == 0.0
     moved = [p.detach().clone() for p in learner.trainable_parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(initial, moved))
@@ -403,7 +403,7 @@ def test_attention_without_copied_heads_equals_the_copying_path(tokenizer, episo
         advantages = {i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)}
         returns = {i: torch.full((s.n_tokens,), 0.05 * (i % 5)) for i, s in enumerate(batch.samples)}
         batch.assign(advantages, returns)
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
         results[attention] = batch, torch.cat([p.detach().flatten() for p in learner.trainable_parameters()])
     (ours, w1), (theirs, w2) = results["repertory_gqa_sdpa"], results["sdpa"]
     assert ours.experience and sorted(ours.experience) == sorted(theirs.experience)

@@ -379,7 +379,7 @@ def _train_step(
                 advantages = torch.randn(sample.n_tokens)
                 batch.experience[i] = Experience(logp, logp, torch.ones_like(logp), advantages=advantages)
         start = time.perf_counter()
-        learner.update(batch, iteration=iteration)
+        learner.update(batch, seed_key=iteration)
         seconds = time.perf_counter() - start
     return seconds, sum(len(seq.input_ids) for seq in batch.sequences), batch.n_tokens
 
@@ -450,7 +450,7 @@ def candidates_benchmark(loaded: Any, config: CandidatesBenchConfig) -> dict[str
         start = time.perf_counter()
         learner.score(batch)
         batch.assign(adv)
-        learner.update(batch, iteration=0)
+        learner.update(batch, seed_key=0)
         return time.perf_counter() - start, sum(len(seq.input_ids) for seq in batch.sequences)
 
     step(min(2, len(prompts)), True)  # first-call costs (allocator, autograd, kernels) out of the timings

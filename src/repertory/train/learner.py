@@ -408,12 +408,13 @@ class Learner:
     # the optimisation step
 
     def update(
-        self, batch: Batch, iteration: int | str, epochs: int | None = None, mini_batches: int | None = None
+        self, batch: Batch, seed_key: int | str, epochs: int | None = None, mini_batches: int | None = None
     ) -> dict[str, float]:
         """PPO (or REINFORCE) epochs over a scored batch whose advantages (and critic targets) were assigned
         (default ``algo.ppo_epochs`` of ``algo.mini_batches`` optimizer steps); returns the loss and diagnostic
         means over the steps taken, and ``skipped_frac``, the share of steps skipped because nothing could move
-        the policy yet (see :meth:`_flat`)."""
+        the policy yet (see :meth:`_flat`). ``seed_key`` seeds the mini-batches' shuffle (an iteration, or a round
+        method's step name)."""
         algo = self.algo
         unready = [i for seq in batch.sequences for i, _ in seq.spans if i not in batch.experience]
         if unready:
@@ -422,15 +423,15 @@ class Learner:
         if unready:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
         with self.sharded_state(), learner_precision(self.precision):
-            return self._epochs(batch, iteration, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
+            return self._epochs(batch, seed_key, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
 
-    def _epochs(self, batch: Batch, iteration: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
+    def _epochs(self, batch: Batch, seed_key: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
         totals: dict[str, float] = {}
         steps = skipped = 0
         self.role_steps.start()
         for epoch in range(epochs):
             order = list(range(len(batch.sequences)))
-            random.Random(derive(self.seed, iteration, epoch, "minibatch")).shuffle(order)
+            random.Random(derive(self.seed, seed_key, epoch, "minibatch")).shuffle(order)
             n_mini = min(mini_batches, len(order))
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
