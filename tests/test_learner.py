@@ -333,7 +333,7 @@ def test_a_step_that_cannot_move_the_policy_is_skipped(tokenizer, episodes):
     again = collect(episodes)
     learner.score(again)
     again.assign(zero)
-    stats = learner.update(again, iteration=2)
+    stats = learner.update(again, seed_key=2)
     assert stats["skipped_frac"] == 0.0 and stats["kl"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(moved, learner.trainable_parameters()))
 
