@@ -15,7 +15,7 @@ from repertory.runs import RunDir
 from repertory.store import read_episodes
 from repertory.train import start_run
 from repertory.types import RepertoryError
-from repertory.workers import RolloutWorker, WorkerPool
+from repertory.workers import RolloutActors, RolloutWorker
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (make test does)")
 
@@ -43,7 +43,7 @@ def test_an_address_where_no_cluster_listens_fails_at_once(tmp_path):
     if ray.is_initialized():
         pytest.skip("this process is already connected to a cluster")
     with pytest.raises(RepertoryError, match="no Ray cluster answers at '127.0.0.1:9'"):
-        WorkerPool(1, "ipd", address="127.0.0.1:9")
+        RolloutActors(1, "ipd", address="127.0.0.1:9")
     assert not ray.is_initialized()
 
 

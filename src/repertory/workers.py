@@ -4,7 +4,7 @@ The episodes of one call are cut into N contiguous shards, one per Ray actor; ea
 backend, environments and agents and plays its shard with the ordinary engine (:func:`run_episodes`).
 Agents travel as their specs (``tit-for-tat``, ``base``, ``model:PATH``, ``snapshot@K``...), which every
 actor resolves itself with :func:`~repertory.agents.resolve.make_agent`; ``live`` is the trainer's policy,
-rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`WorkerPool.publish` after
+rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`RolloutActors.publish` after
 every learner update (the live adapter under LoRA, all weights otherwise), tagged with its version.
 
 Sampling seeds depend on episode, seat and turn only, so with the ``hf`` backend a sharded call plays the
@@ -159,7 +159,7 @@ class RolloutWorker:
         return ray.get_runtime_context().get_node_id()
 
 
-class WorkerPool:
+class RolloutActors:
     """N Ray actors playing the shards of each call, on the cluster at ``address`` (else ``RAY_ADDRESS``; a
     process connects once), or on a local one Ray starts. ``lineup`` (picklable, called in every actor) builds
     agents under names of the caller's choosing, for line-ups whose agents are not plain specs (evaluation's
@@ -276,24 +276,24 @@ class LocalSampler:
 
 
 @dataclass
-class PoolSampler:
+class ActorSampler:
     """The Ray workers as an asynchronous pipeline's sampler."""
 
-    pool: WorkerPool
+    actors: RolloutActors
     spec_of: Callable[[Agent], str]
     max_concurrent: int
     schedule: str
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.pool.publish(version, tensors)
+        self.actors.publish(version, tensors)
 
     def play(self, specs: list[EpisodeSpec]) -> list[Episode]:
-        return self.pool.play(specs, self.spec_of, self.max_concurrent, self.schedule)
+        return self.actors.play(specs, self.spec_of, self.max_concurrent, self.schedule)
 
 
 def play(
     specs: list[EpisodeSpec],
-    workers: WorkerPool | None,
+    workers: RolloutActors | None,
     names: dict[str, Agent],
     max_concurrent: int = 64,
     on_episode: Callable[[Episode], None] | None = None,

@@ -108,19 +108,19 @@ def _print_crossplay_report(report: CrossPlayReport) -> None:
 
 @contextlib.contextmanager
 def _workers(n: int, env: str, lineup: Callable[[], dict]) -> Iterator[Any]:
-    """``--workers N``: a pool of N Ray actors with the line-up (None for 0), ended afterwards."""
+    """``--workers N``: N Ray actors with the line-up (None for 0), ended afterwards."""
     if n < 0:
         raise RepertoryError(f"--workers must be at least 0 (got {n})")
     if n == 0:
         yield None
         return
-    from repertory.workers import WorkerPool
+    from repertory.workers import RolloutActors
 
-    pool = WorkerPool(n, env, lineup=lineup)
+    actors = RolloutActors(n, env, lineup=lineup)
     try:
-        yield pool
+        yield actors
     finally:
-        pool.close()
+        actors.close()
 
 
 class _EvalGroup(TyperGroup):
@@ -207,10 +207,10 @@ def eval_crossplay(
     line_up = (names, cls.name, seed, model, max_new_tokens, constrained)
     agents = lineup_agents(*line_up)
     with (
-        _workers(workers, cls.name, partial(lineup_agents, *line_up)) as pool,
+        _workers(workers, cls.name, partial(lineup_agents, *line_up)) as actors,
         games_progress(f"cross-play {cls.name}") as on_progress,
     ):
-        report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, on_progress, workers=pool))
+        report = crossplay_report(crossplay(cls.name, agents, episodes, seed, split, on_progress, workers=actors))
     data = report.to_json()
     if as_json:
         print(json.dumps(data))
@@ -344,7 +344,7 @@ def eval_policy(
     agent, opponent, env_name = evaluation_lineup(*line_up)
     scorer = make_judge(judging)
     with (
-        _workers(workers, env_name, partial(evaluation_agents, *line_up)) as pool,
+        _workers(workers, env_name, partial(evaluation_agents, *line_up)) as actors,
         games_progress(f"eval {env_name}") as on_progress,
     ):
         result = evaluate(
@@ -354,7 +354,7 @@ def eval_policy(
             seed,
             split,
             opponent,
-            workers=pool,
+            workers=actors,
             env_options=options,
             judge=scorer,
             on_progress=on_progress,

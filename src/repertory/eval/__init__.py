@@ -31,7 +31,7 @@ from repertory.rollout import EpisodeSpec, agent_seats, guarded_seats, schedule
 from repertory.runs import resolve_checkpoint
 from repertory.stats import mean, mean_se
 from repertory.types import Episode, Judge, RepertoryError
-from repertory.workers import WorkerPool, play
+from repertory.workers import RolloutActors, play
 
 CONCURRENT_SEATS = 128
 """Seats playing at once in an evaluation (64 two-seat games, 21 six-seat ones): every running seat's chat
@@ -105,7 +105,7 @@ def evaluate(
     iteration: int = 0,
     gamma: float = GAMMA,
     max_concurrent: int | None = None,
-    workers: WorkerPool | None = None,
+    workers: RolloutActors | None = None,
     env_options: dict[str, Any] | None = None,
     judge: Judge | None = None,
     on_progress: Callable[[int, int], None] | None = None,

@@ -25,7 +25,7 @@ from repertory.eval.scores import PairResult, TeamStats, discounted, mean_metric
 from repertory.rollout import agent_seats, guarded_seats, schedule
 from repertory.stats import mean_se
 from repertory.types import Episode, Kernel, RepertoryError, RoleResult
-from repertory.workers import WorkerPool, play
+from repertory.workers import RolloutActors, play
 
 Matrix = dict[str, dict[str, tuple[float, float]]]
 """``matrix[a][b]``: mean and standard error of a quantity for row agent ``a`` against column agent ``b``."""
@@ -154,7 +154,7 @@ def crossplay(
     split: str = "heldout",
     on_progress: Callable[[int, int], None] | None = None,
     max_concurrent: int | None = None,
-    workers: WorkerPool | None = None,
+    workers: RolloutActors | None = None,
 ) -> CrossPlay:
     """Play every ordered pair of ``agents``, the row agent on the first side (seat or team) and the column
     agent on the second, for ``episodes`` games each, at most ``max_concurrent`` games at once so that every

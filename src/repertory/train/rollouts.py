@@ -20,7 +20,7 @@ from repertory.train import distributed
 from repertory.train.lineup import LineUp, Policy
 from repertory.train.pipeline import AsyncRollouts, Played, Sampler, staleness_metrics
 from repertory.types import Episode, Judge
-from repertory.workers import LiveSource, LocalSampler, PoolSampler, RolloutWorker, WorkerPool
+from repertory.workers import ActorSampler, LiveSource, LocalSampler, RolloutActors, RolloutWorker
 
 
 class Rollouts:
@@ -38,7 +38,7 @@ class Rollouts:
     ):
         self.config, self.lineup, self.policy = config, lineup, policy
         self.engine_args, self.judge, self.run_dir = engine_args, judge, run_dir
-        self.workers: WorkerPool | None = None  # built at the first sharded rollout
+        self.workers: RolloutActors | None = None  # built at the first sharded rollout
         self.pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: built at the first iteration
         self.discarded_episodes = 0  # played ahead by the pipeline and never learned from (a stop before the end)
 
@@ -76,7 +76,7 @@ class Rollouts:
             return [episode for shard in distributed.gather(mine) for episode in shard]
         if not rollout.workers:
             return run_episodes(specs, rollout.max_concurrent, judge=self.judge, schedule=rollout.schedule)
-        return self._worker_pool().play(specs, self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
+        return self._actors().play(specs, self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
 
     def played_ahead(self, iteration: int) -> tuple[Played, float]:
         """``iteration``'s episodes from the asynchronous pipeline (started here at the first call) and the
@@ -112,10 +112,10 @@ class Rollouts:
             self.workers.close()
             self.workers = None
 
-    def _worker_pool(self) -> WorkerPool:
+    def _actors(self) -> RolloutActors:
         if self.workers is None:
             rollout = self.config.rollout
-            self.workers = WorkerPool(
+            self.workers = RolloutActors(
                 rollout.workers, rollout.env, self.lineup.options(), self.live_source(), address=rollout.ray_address
             )
         return self.workers
@@ -125,7 +125,7 @@ class Rollouts:
         the policy (the learner's module is written while the sampler plays)."""
         rollout = self.config.rollout
         if rollout.workers:
-            return PoolSampler(self._worker_pool(), self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
+            return ActorSampler(self._actors(), self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
         worker = RolloutWorker(rollout.env, self.lineup.options(), self.live_source())
         return LocalSampler(worker, self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
 
