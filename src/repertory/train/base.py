@@ -179,7 +179,7 @@ class Trainer:
         writes it; with a sharded learner every process writes its shards into process 0's temporary directory
         (a run directory all of them reach). Returns the checkpoint's path (None in the other processes)."""
         main = distributed.is_main()
-        if self.learner.sharded is None:
+        if not self.learner.sharded.active:
             return (
                 self.run_dir.write_checkpoint(done, lambda tmp: self._fill(tmp, done), self.config.keep_checkpoints)
                 if main

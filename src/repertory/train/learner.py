@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,7 @@ from repertory.train.heads import ValueModel, with_lora
 from repertory.train.sharding import (
     Scorer,
     Sharded,
+    Unsharded,
 )
 from repertory.types import derive
 
@@ -174,13 +174,15 @@ class Learner:
                 self.value = ValueModel(critic_base.get_decoder(), hidden).to(self.device)
         self.scorer = Scorer(base)
         self.reference_scorer = Scorer(self.reference) if self.reference is not None else None
+        self.shared_critic = self.value is not None and critic.share_backbone
         self.optimizer_shards = sharding == "fsdp"
-        self.sharded = None
+        self.sharded = Unsharded()
         if self.optimizer_shards and distributed.world_size() > 1:
             self.sharded = Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
         self.policy_params = [p for p in base.parameters() if p.requires_grad]  # sharded ones: the optimiser's
-        self.optimizer = torch.optim.AdamW(self._param_groups(), weight_decay=algo.weight_decay)
-        if self.sharded is not None:
+        groups = _param_groups(self.policy_params, self.value, critic, algo.lr)
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=algo.weight_decay)
+        if self.sharded.active:
             self.sharded.gather()
         warmup = algo.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -193,19 +195,6 @@ class Learner:
         if self.value is not None:
             modules["value"] = self.value.head
         return nn.ModuleDict(modules)
-
-    @property
-    def shared_critic(self) -> bool:
-        return self.value is not None and self.critic_config.share_backbone
-
-    def _param_groups(self) -> list[dict]:
-        groups = [{"params": self.policy_params, "lr": self.algo.lr}]
-        if self.value is not None:
-            critic_params = list(self.value.head.parameters())
-            if not self.critic_config.share_backbone:
-                critic_params += [p for p in self.value.backbone.parameters() if p.requires_grad]
-            groups.append({"params": critic_params, "lr": self.critic_config.lr})
-        return groups
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Every parameter the optimizer updates (policy first, then the critic's)."""
@@ -291,17 +280,12 @@ class Learner:
         set_peft_model_state_dict(self.peft, live, adapter_name=REFERENCE_ADAPTER)
         self.peft.set_adapter(LIVE_ADAPTER)
 
-    def _pairs(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[list[PackedSequence]]]:
-        samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
-        sequences = [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
-        return samples, self._micro_batches(sequences)
-
     @torch.no_grad()
     def token_logps(self, pairs: list[tuple[list[int], list[int]]], reference: bool = False) -> list[torch.Tensor]:
         """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference."""
-        samples, micros = self._pairs(pairs)
+        samples, sequences = _pair_sequences(pairs)
         out: dict[int, torch.Tensor] = {}
-        for micro in micros:
+        for micro in self._micro_batches(sequences):
             out.update(self._forward(micro, samples, reference=reference).logp)
         return [out[i] for i in range(len(pairs))]
 
@@ -313,9 +297,9 @@ class Learner:
         """Accumulate the gradient of a loss over (prompt, response) pairs one micro-batch at a time:
         ``loss_of(indices, token_logps)`` is a micro-batch's share of the loss (the caller normalises). Returns
         the summed loss; call :meth:`optimizer_step` after."""
-        samples, micros = self._pairs(pairs)
+        samples, sequences = _pair_sequences(pairs)
         total = 0.0
-        for micro in micros:
+        for micro in self._micro_batches(sequences):
             logp = self._forward(micro, samples).logp
             indices = [index for seq in micro for index, _ in seq.spans]
             loss = loss_of(indices, [logp[i] for i in indices])
@@ -330,15 +314,6 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norms[0].full_tensor() if isinstance(norms[0], DTensor) else norms[0])
-
-    @contextmanager
-    def sharded_state(self) -> Iterator[None]:
-        """Under model.sharding fsdp, the sharded weights for the block (gathered again after); else nothing."""
-        if self.sharded is None:
-            yield
-            return
-        with self.sharded.sharded():
-            yield
 
     @torch.no_grad()
     def score(self, batch: Batch, version: int | None = None) -> dict[str, float]:
@@ -355,13 +330,13 @@ class Learner:
             if s.trained and s.logp_sample and len(s.logp_sample) == len(s.response_ids)
         }
         reuse = self._reuses_sampler(batch, version, recorded)
-        with self.sharded_state(), learner_precision(self.precision):
-            logp, values = self._score_policy(batch, micros[:1] if reuse else micros)
+        with self.sharded.sharded(), learner_precision(self.precision):
+            logp, values = self._scores(batch, micros[:1] if reuse else micros)
             if reuse and _mismatch(logp, recorded).get("offpolicy/max_gap", 0.0) > REUSED_GAP_TOL:
                 reuse = False
-                more, _ = self._score_policy(batch, micros[1:])
+                more, _ = self._scores(batch, micros[1:])
                 logp.update(more)
-            logp_ref = self._score_reference(batch, micros)
+            logp_ref, _ = self._scores(batch, micros, reference=True)
         scored = sum(len(t) for t in logp.values())
         batch.old_gap = REUSED_GAP_TOL if reuse else 0.0
         old_of = {i: logp.get(i, recorded.get(i)) for i in logp_ref} if reuse else logp
@@ -387,23 +362,21 @@ class Learner:
         trained = [i for i, s in enumerate(batch.samples) if s.trained]
         return bool(trained) and all(i in recorded and batch.samples[i].policy_version == version for i in trained)
 
-    def _score_policy(
-        self, batch: Batch, micros: list[list[PackedSequence]]
+    def _scores(
+        self, batch: Batch, micros: list[list[PackedSequence]], reference: bool = False
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The policy's log-probs and (with a critic) values of the micro-batches' samples."""
+        """The policy's (or the reference's) log-probs and, with a critic, the policy's values of the
+        micro-batches' samples."""
         logp: dict[int, torch.Tensor] = {}
         values: dict[int, torch.Tensor] = {}
         for micro in micros:
-            scored = self._forward(micro, batch.samples, values=True, adapters=self.role_steps.of(micro, batch))
+            if reference:
+                scored = self._forward(micro, batch.samples, reference=True)
+            else:
+                scored = self._forward(micro, batch.samples, values=True, adapters=self.role_steps.of(micro, batch))
             logp.update({i: t.detach() for i, t in scored.logp.items()})
             values.update({i: t.detach() for i, t in scored.values.items()})
         return logp, values
-
-    def _score_reference(self, batch: Batch, micros: list[list[PackedSequence]]) -> dict[int, torch.Tensor]:
-        logp: dict[int, torch.Tensor] = {}
-        for micro in micros:
-            logp.update({i: t.detach() for i, t in self._forward(micro, batch.samples, reference=True).logp.items()})
-        return logp
 
     # the optimisation step
 
@@ -422,7 +395,7 @@ class Learner:
         unready = [i for i, x in batch.experience.items() if x.advantages is None]
         if unready:
             raise ValueError(f"samples {unready[:5]} have no advantages: call batch.assign(...) before update")
-        with self.sharded_state(), learner_precision(self.precision):
+        with self.sharded.sharded(), learner_precision(self.precision):
             return self._epochs(batch, seed_key, epochs or algo.ppo_epochs, mini_batches or algo.mini_batches)
 
     def _epochs(self, batch: Batch, seed_key: int | str, epochs: int, mini_batches: int) -> dict[str, float]:
@@ -489,9 +462,9 @@ class Learner:
         # data-parallel: each process takes its share of the micro-batches; the summed gradients are the whole's
         micros = self._micro_batches(mini)
         mine = micros[distributed.rank() :: distributed.world_size()]
-        if self.sharded is not None:  # every process runs as many passes, each one's collectives matched
-            for _ in range(-(-len(micros) // distributed.world_size()) - len(mine)):
-                self._idle_pass(micros[0], batch)
+        for _ in range(self.sharded.idle_passes(len(micros), len(mine))):
+            # a pass that adds nothing to the gradients, so that every process's collectives are matched
+            (0.0 * sum(t.sum() for t in self._forward(micros[0], batch.samples).logp.values())).backward()
         for micro in mine:
             tokens, value = self._terms(micro, batch, weights, offsets)
             loss, stats = losses.objective(tokens, algo, value)
@@ -534,10 +507,23 @@ class Learner:
         coef = self.critic_config.value_coef if self.shared_critic else 1.0
         return tokens, losses.ValueTerms(values, torch.cat([x.values for x in recorded]), returns, coef)  # type: ignore[misc]
 
-    def _idle_pass(self, micro: list[PackedSequence], batch: Batch) -> None:
-        """A forward and backward pass that adds nothing to the gradients, for a sharded process with fewer
-        micro-batches than the others (FSDP gathers and reduces each layer with every process)."""
-        (0.0 * sum(t.sum() for t in self._forward(micro, batch.samples).logp.values())).backward()
+
+def _param_groups(policy: list[nn.Parameter], value: ValueModel | None, critic: CriticConfig, lr: float) -> list[dict]:
+    """The optimiser's groups: the policy's parameters at ``lr``, then the critic's (its head, and its own backbone
+    where it has one) at the critic's."""
+    groups: list[dict] = [{"params": policy, "lr": lr}]
+    if value is not None:
+        critic_params = list(value.head.parameters())
+        if not critic.share_backbone:
+            critic_params += [p for p in value.backbone.parameters() if p.requires_grad]
+        groups.append({"params": critic_params, "lr": critic.lr})
+    return groups
+
+
+def _pair_sequences(pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[PackedSequence]]:
+    """(prompt ids, response ids) pairs as trained samples, one unpacked sequence each."""
+    samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
+    return samples, [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
 
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:

@@ -24,8 +24,8 @@ def save_learner(learner: Learner, directory: Path) -> None:
     # before any step AdamW has no state, and the checkpoint writer would initialise it (a zero-lr step that
     # counts): such a checkpoint records no shards, and its resume starts from a fresh optimiser
     stepped = bool(learner.optimizer.state)
-    with learner.sharded_state():
-        if learner.sharded is not None:  # the weights, into process 0; a tied weight once, as unsharded
+    with learner.sharded.sharded():
+        if learner.sharded.active:  # the weights, into process 0; a tied weight once, as unsharded
             named = {*dict(learner.scorer.named_parameters()), *dict(learner.scorer.named_buffers())}
             full = full_state(learner.scorer, trained_only=learner.peft is not None)
             gathered = {k.removeprefix("model."): v for k, v in full.items() if k in named}
@@ -60,7 +60,7 @@ def load_learner(learner: Learner, directory: Path) -> None:
     if learner.optimizer_shards == ("optimizer" in state):
         kept = "without model.sharding fsdp" if learner.optimizer_shards else "with model.sharding fsdp"
         raise RepertoryError(f"{directory} was written {kept}: resume it with the sharding it was trained with")
-    with learner.sharded_state():
+    with learner.sharded.sharded():
         _load_policy(learner, directory / "policy")
         if learner.optimizer_shards and state["optimizer_stepped"]:
             load_optimizer(learner.stateful(), learner.optimizer, directory / OPTIMIZER_SHARDS)
@@ -78,12 +78,12 @@ def load_learner(learner: Learner, directory: Path) -> None:
 
 
 def _load_policy(learner: Learner, policy: Path) -> None:
-    if learner.sharded is None and learner.peft is not None:
+    if not learner.sharded.active and learner.peft is not None:
         for name in learner.adapters:
             folder = policy if name == LIVE_ADAPTER else policy / name
             tensors = load_file(str(folder / "adapter_model.safetensors"))
             set_peft_model_state_dict(learner.peft, tensors, adapter_name=name)
-    elif learner.sharded is None:
+    elif not learner.sharded.active:
         learner.model.load_state_dict(load_file(str(policy / "model.safetensors")), strict=False)
     elif learner.peft is not None:
         # PEFT saves an adapter's weight model.X.<adapter>.weight as base_model.model.X.weight

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from repertory.train import distributed
 from repertory.types import RepertoryError
 
 OPTIMIZER_SHARDS = "optimizer"  # the checkpoint's DCP directory of optimiser shards
@@ -64,9 +65,26 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-class Sharded:
+class Unsharded:
+    """A learner whose weights one process holds whole (one process, or data-parallel replicas): the null object of
+    :class:`Sharded`, so the learner's step has no sharding branch."""
+
+    active = False
+
+    @contextmanager
+    def sharded(self) -> Iterator[None]:
+        yield
+
+    def idle_passes(self, micro_batches: int, mine: int) -> int:
+        """Passes this process runs besides its own micro-batches: none, each process is on its own."""
+        return 0
+
+
+class Sharded(Unsharded):
     """The FSDP units of one or more :class:`Scorer` roots and the switch between the gathered and the sharded
     state; built sharded."""
+
+    active = True
 
     def __init__(self, roots: list[Scorer]):
         self.roots = roots
@@ -101,6 +119,11 @@ class Sharded:
         self.shard()
         yield
         self.gather()
+
+    def idle_passes(self, micro_batches: int, mine: int) -> int:
+        """Passes that add nothing, for a process with fewer micro-batches than the others: FSDP gathers and
+        reduces each layer with every process, so every process runs as many passes."""
+        return -(-micro_batches // distributed.world_size()) - mine
 
 
 def sharded_parameters(module: nn.Module) -> bool:
