@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from repertory.algos import ESTIMATORS
-from repertory.config.methods import METHOD_CONFIGS, online_kinds
+from repertory.config.methods import METHOD_CONFIGS, online_kinds, round_kinds
 from repertory.types import RepertoryError
 
 OLD_SECTIONS = ("trainer", "rounds", "critic", "pool")
@@ -53,7 +53,7 @@ def _check_trainer(value: Any) -> None:
     if value not in ("online", "rounds"):
         raise RepertoryError(
             f"trainer: {value!r} names no loop; the trainer key is gone, the loop follows method.kind "
-            "(selfplay, adalign: online; igrpo, st-grpo, mt-sft, mt-kto, mt-ppo, archer, archer-lc: rounds)"
+            f"({', '.join(online_kinds())}: online; {', '.join(round_kinds())}: rounds)"
         )
 
 
