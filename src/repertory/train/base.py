@@ -79,9 +79,9 @@ class Trainer:
         model = LoadedModel(self.learner.model, loaded.tokenizer, loaded.name, self.learner.peft)
         engine_args = engine_options(config.rollout.backend, config.rollout.engine_args, precision)
         self.backend = make_backend(config.rollout.backend, model, **engine_args)
+        self.judge = make_judge(config.judge, config.model.device)
         policy = Policy(self.learner, model, self.backend)
         self.lineup = LineUp.build(config, policy, self.method, run_dir)
-        self.judge = make_judge(config.judge, config.model.device)
         # Rollouts are judged only where the reward needs it; evaluations report the judge's scores regardless.
         needs_judge = make(config.rollout.env, **config.rollout.env_options).needs_judge
         self.rollouts = Rollouts(config, self.lineup, policy, engine_args, self.judge if needs_judge else None, run_dir)
