@@ -134,6 +134,24 @@ def test_modules_and_functions_stay_readable():
     assert too_long == []
 
 
+def test_no_trainer_module_names_a_method_or_the_learner_a_game():
+    # A method's own needs reach the loop through hooks (Method.opponents); the learner reads each sample's adapter
+    # (type names aside).
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("repertory", exclude_type_checking_imports=True)
+    loops = ["base", "online", "rounds", "lineup", "rollouts", "pool", "warm", "__init__"]
+    methods = {m for m in graph.modules if m.startswith("repertory.train.methods.") and not m.endswith(".base")}
+    naming = {
+        (loop, method)
+        for loop in loops
+        for method in methods
+        if graph.direct_import_exists(importer=f"repertory.train.{loop}".removesuffix(".__init__"), imported=method)
+    }
+    assert naming == set()
+    learner = graph.find_modules_directly_imported_by("repertory.train.learner")
+    assert not {m for m in learner if m == "repertory.envs" or m.startswith("repertory.envs.")}
+
+
 SERVE_LIGHT = """
 import sys
 from repertory.serve import ServeOptions

@@ -9,19 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from repertory.envs import make
-
-if TYPE_CHECKING:
-    from repertory.config import TrainConfig
 
 
 @dataclass(frozen=True)
 class Setting:
     """What the rules read: the config, and how many processes train it (``--gpus``)."""
 
-    config: TrainConfig
+    config: Any  # a TrainConfig: the config package imports this module, not the other way round
     processes: int = 1
 
     @cached_property
@@ -195,7 +192,7 @@ RULES: tuple[Rule, ...] = (
 )  # fmt: skip
 
 
-def broken_rule(config: TrainConfig, processes: int = 1) -> str | None:
+def broken_rule(config: Any, processes: int = 1) -> str | None:
     """The message of the first rule ``config`` breaks on ``processes`` processes; None when it breaks none."""
     setting = Setting(config, processes)
     for rule in RULES:
