@@ -436,7 +436,7 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
         raise AssertionError("the simulator was called while improving")
 
     step = Env.step
-    monkeypatch.setattr("repertory.train.base.run_episodes", forbidden)
+    monkeypatch.setattr("repertory.train.rollouts.run_episodes", forbidden)
     monkeypatch.setattr(Env, "step", forbidden)
     q_of = {}
 

@@ -260,7 +260,7 @@ def test_a_line_up_the_game_lacks_is_named_only_when_the_run_evaluates(tmp_path,
     with pytest.raises(RepertoryError, match=r"line-up \(eval.opponent\) 'always-cooperate': unknown agent"):
         start_run(config, tiny_model(tokenizer))
     silent = load_config("default", [f"output_dir={tmp_path}", "rollout.env=werewolf", "eval.episodes=0"])
-    assert start_run(silent, tiny_model(tokenizer)).eval_opponent is None
+    assert start_run(silent, tiny_model(tokenizer)).lineup.eval_opponent is None
 
 
 # command line

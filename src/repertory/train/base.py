@@ -105,7 +105,7 @@ class Trainer:
         if distributed.is_main():
             write_credit(self.run_dir.credit(iteration), batch.credit_rows())
 
-    def evaluations(self, iteration: int, final: bool = False) -> dict[str, Any]:
+    def due_evaluations(self, iteration: int, final: bool = False) -> dict[str, Any]:
         """The evaluation lines due at ``iteration``: before its update, ``eval/*`` at iteration 0 and every
         ``eval.every`` iterations; with ``final``, after the last update, ``final/*`` (its games kept in the run).
         Beside each of a trained policy, ``eval/validation/*`` in a run that selects."""
@@ -239,13 +239,13 @@ class Trainer:
                 tracker.log_config(config)
             for iteration in range(self.iteration, config.iterations):
                 judged = self.judge.stats.as_metrics() if self.judge is not None else {}
-                line: dict[str, Any] = {"iteration": iteration, **(self.evaluations(iteration) if main else {})}
+                line: dict[str, Any] = {"iteration": iteration, **(self.due_evaluations(iteration) if main else {})}
                 line.update(self.run_iteration(iteration))
                 if self.judge is not None:  # this iteration's requests, failures, retries, clipped scores, cache hits
                     line.update({k: v - judged[k] for k, v in self.judge.stats.as_metrics().items()})
                 done = iteration + 1
                 if done == config.iterations and main:
-                    line.update(self.evaluations(done, final=True))
+                    line.update(self.due_evaluations(done, final=True))
                 for tracker in trackers:
                     tracker.log(line)
                 self.iteration = done
