@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from repertory.bench import RolloutBenchConfig, TrainBenchConfig, rollout_benchmark, train_benchmark
-from repertory.generation import SamplingParams, make_backend
+from repertory.generation import GenerationRequest, SamplingParams, make_backend
 from repertory.models import LoadedModel, load_tokenizer, save_checkpoint
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads: Llama-style shapes of about that many parameters
@@ -64,9 +64,10 @@ def throughput(loaded: LoadedModel, kind: str, batch: int, new_tokens: int) -> d
     start_s = time.perf_counter() - start
     prompts = [loaded.tokenizer.encode(f"Seat {i}: the round begins. " * 12)[:100] for i in range(batch)]
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    backend.generate(prompts[:8], params, list(range(8)))  # warm-up
+    rows = [GenerationRequest(prompt, seed) for seed, prompt in enumerate(prompts)]
+    backend.generate(rows[:8], params)  # warm-up
     start = time.perf_counter()
-    out = backend.generate(prompts, params, list(range(batch)))
+    out = backend.generate(rows, params)
     seconds = time.perf_counter() - start
     backend.close()
     generated = sum(len(g.response_ids) for g in out)

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from repertory.envs import env_class
-from repertory.generation import SamplingParams, make_backend
+from repertory.generation import GenerationRequest, SamplingParams, make_backend
 from repertory.models import load_model, load_tokenizer, save_checkpoint, tiny_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.store.served import read_served
@@ -153,10 +153,10 @@ def main() -> None:
         for p in (prompt(k, 0) for k in range(args.clients))
     ]
     params = SamplingParams(1.0, 1.0, args.max_tokens)
-    backend.generate(prompts, params, list(range(len(prompts))))
+    backend.generate([GenerationRequest(p, k) for k, p in enumerate(prompts)], params)
     began, generated = time.perf_counter(), 0
     for n in range(3):
-        out = backend.generate(prompts, params, [n * 100 + k for k in range(len(prompts))])
+        out = backend.generate([GenerationRequest(p, n * 100 + k) for k, p in enumerate(prompts)], params)
         generated += sum(len(g.response_ids) for g in out)
     elapsed = time.perf_counter() - began
     result["limit_in_process"] = {

@@ -8,14 +8,29 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from repertory.agents.resolve import make_agent
 from repertory.cli import main
 from repertory.envs import env_class
+from repertory.generation import SYNCED, GenerationRequest
 from repertory.models import save_checkpoint, tiny_model
 from repertory.rollout import run_episodes, schedule
 from repertory.types import Episode
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist each worker takes its share of the cores: torch's threads, and those of the processes
+    its tests start (OMP_NUM_THREADS). Two processes that each spread over every core thrash each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_the_cores()
 
 
 def play(
@@ -61,3 +76,19 @@ def compiled_kernels():
         ops = decode_kernel(), paged_kernel()
     assert None not in ops, "the kernel failed to build or load (see the logged reason)"
     return ops
+
+
+def rows(
+    prompts: list,
+    seeds: list[int],
+    constraints: list | None = None,
+    cache_keys: list | None = None,
+    enough: list | None = None,
+    adapters: list | None = None,
+) -> list[GenerationRequest]:
+    """Generation requests from columns, as the backend tests write their rows (None: the field's default)."""
+    n = len(prompts)
+    if len(seeds) != n:
+        raise ValueError("one seed per prompt")
+    columns = [constraints or [None] * n, cache_keys or [None] * n, enough or [None] * n, adapters or [SYNCED] * n]
+    return [GenerationRequest(p, s, c, k, e, a) for p, s, c, k, e, a in zip(prompts, seeds, *columns)]

@@ -1,11 +1,13 @@
 """One LoRA adapter per role or team (model.adapters): routing, per-row adapters in one forward pass (sampling
 and the learner), isolation of each role's update, checkpoints that resume exactly, export and evaluation."""
 
+import dataclasses
 import json
 
 import httpx
 import pytest
 import torch
+from conftest import rows
 from safetensors.torch import load_file
 
 from repertory.agents import LMOptions, Request
@@ -133,10 +135,11 @@ def test_the_hf_backend_samples_mixed_adapters_in_one_call_as_each_alone(tokeniz
     prompts = [[1, 2, 3, 4], [5, 6, 7], [1, 2, 3, 4], [8, 9]]
     adapters = ["first", "second", None, "second"]
     params = SamplingParams(1.0, 1.0, 6)
-    mixed = backend.generate(prompts, params, [11, 12, 13, 14], adapters=adapters)
+    mixed = backend.generate(rows(prompts, [11, 12, 13, 14], adapters=adapters), params)
     passes = backend.stats.forward_passes
     alone = [
-        backend.generate([p], params, [s], adapters=[a])[0] for p, s, a in zip(prompts, [11, 12, 13, 14], adapters)
+        backend.generate(rows([p], [s], adapters=[a]), params)[0]
+        for p, s, a in zip(prompts, [11, 12, 13, 14], adapters)
     ]
     assert backend.stats.forward_passes - passes > passes  # the mixed call shared its passes across rows
     for x, y in zip(mixed, alone):
@@ -261,9 +264,10 @@ def test_a_per_role_checkpoint_plays_exports_and_serves_one_role(tmp_path, token
     request = Request("e", 1, "responder", [Message("user", "Deal?")], {}, label="responder", choices=choices)
     assert agent._adapter(request) == "role-responder"
     answer = agent.act([request])[0]
-    prompt, seed, constraint, _, _ = agent._rows([request])[0]
+    [row] = agent._generation_requests([request])
+    assert row.adapter == "role-responder"
     for adapter, same in (("role-responder", True), ("role-proposer", False)):
-        direct = agent.backend.generate([prompt], agent.params, [seed], [constraint], adapters=[adapter])[0]
+        direct = agent.backend.generate([dataclasses.replace(row, adapter=adapter)], agent.params)[0]
         assert (direct.logp_sample == pytest.approx(answer.logp_sample, abs=1e-6)) == same, adapter
 
     exported = export_policy(run_dir, tmp_path / "export")
@@ -299,7 +303,9 @@ def test_a_per_role_checkpoint_plays_exports_and_serves_one_role(tmp_path, token
     asked = []
     generate = served.backend.generate
     monkeypatch.setattr(
-        served.backend, "generate", lambda *a, **k: asked.append(k.get("adapters")) or generate(*a, **k)
+        served.backend,
+        "generate",
+        lambda rows, params: asked.append([r.adapter for r in rows]) or generate(rows, params),
     )
     with ServerThread(
         served, ServeOptions(port=0), ServedLog(tmp_path / "log", served.name, served.policy_id, len(tokenizer))
@@ -314,4 +320,4 @@ def test_a_model_with_every_role_adapter_active_refuses_rows_that_name_none(toke
     loaded, _ = _two_adapters(tokenizer)
     backend = make_backend("hf", loaded)
     with pytest.raises(ValueError, match="name one per row"):
-        backend.generate([[1, 2, 3]], SamplingParams(1.0, 1.0, 2), [0])
+        backend.generate(rows([[1, 2, 3]], [0]), SamplingParams(1.0, 1.0, 2))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rows
 
 from repertory.agents import BotAgent, Request, Response
 from repertory.agents.lm import LMAgent
 from repertory.envs import env_class, load_kernels
-from repertory.generation import SamplingParams
+from repertory.generation import GenerationRequest, SamplingParams
 from repertory.generation.hf import HFBackend
 from repertory.generation.kvcache import PAGE
 from repertory.models import load_tokenizer, tiny_model
@@ -143,9 +144,9 @@ def test_rows_in_flight_stay_within_the_memory_budget(tokenizer, paged):
     longest = max(len(p) for p in prompts) + params.max_new_tokens
     # room for three rows at most: padded to the longest, or a page each
     tight = HFBackend(loaded, kv_memory_mb=3.5 * (PAGE if paged else longest) * per_token / 2**20, paged=paged)
-    out = tight.generate(prompts, params, seeds=list(range(8)))
+    out = tight.generate(rows(prompts, list(range(8))), params)
     assert max(p.rows for p in tight.stats.passes) == 3
-    free = unbounded.generate(prompts, params, seeds=list(range(8)))
+    free = unbounded.generate(rows(prompts, list(range(8))), params)
     assert [g.response_ids for g in out] == [g.response_ids for g in free]
     assert max(p.rows for p in unbounded.stats.passes) == 8
     if paged:
@@ -162,7 +163,7 @@ def test_a_budget_too_small_for_one_row_is_a_one_line_error(tokenizer, paged, ne
     with pytest.raises(
         RepertoryError, match=rf"kv_memory_mb: {fit} tokens .* one row needs {need}; raise kv_memory_mb"
     ) as e:
-        backend.generate([tokenizer.encode("x " * 35)], SamplingParams(max_new_tokens=8), seeds=[0])
+        backend.generate(rows([tokenizer.encode("x " * 35)], [0]), SamplingParams(max_new_tokens=8))
     assert "\n" not in str(e.value)
     with pytest.raises(RepertoryError, match="kv_memory_mb must be positive"):
         HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0)
@@ -172,12 +173,12 @@ def test_kept_prefixes_share_the_budget_with_rows_in_flight(tokenizer):
     backend = HFBackend(tiny_model(tokenizer, seed=0), kv_memory_mb=0.25)  # 512 tokens at 512 bytes
     params = SamplingParams(max_new_tokens=4)
     prompts = [tokenizer.encode(f"seat {i} speaks. " * 8) for i in range(6)]
-    backend.generate(prompts, params, seeds=list(range(6)), cache_keys=[("k", i) for i in range(6)])
+    backend.generate(rows(prompts, list(range(6)), cache_keys=[("k", i) for i in range(6)]), params)
     assert 0 < backend.prefixes.tokens <= backend.budget_tokens
     kept = sum(p.size for p in backend.prefixes.values())  # whole pages: 1 of 128 tokens a ~40-token chat
     assert kept == backend.prefixes.tokens == PAGE * len(backend.prefixes.values())
     stream = backend.stream(params)
-    stream.add(tokenizer.encode("a long new prompt " * 40), 0)
+    stream.add(GenerationRequest(tokenizer.encode("a long new prompt " * 40), 0))
     stream.step()  # a row in flight claims its room: the kept prefixes shrink to what is left
     assert backend.prefixes.tokens + stream._need(stream.rows) <= backend.budget_tokens
 
@@ -193,8 +194,8 @@ def test_constrained_rows_reserve_their_longest_answer_so_the_chats_stay_cached(
     assert trie.depth == max(len(tokenizer.encode(m, add_special_tokens=False)) for m in moves) + 1  # and the end
     prompts = [tokenizer.encode(f"seat {i} speaks. " * 8) for i in range(4)]
     keys = [("chat", i) for i in range(4)]
-    first = backend.generate(prompts, params, seeds=list(range(4)), constraints=[trie] * 4, cache_keys=keys)
+    first = backend.generate(rows(prompts, list(range(4)), constraints=[trie] * 4, cache_keys=keys), params)
     assert max(p.rows for p in backend.stats.passes) == 4
     following = [p + g.response_ids + tokenizer.encode(" next turn") for p, g in zip(prompts, first)]
-    backend.generate(following, params, seeds=list(range(4)), constraints=[trie] * 4, cache_keys=keys)
+    backend.generate(rows(following, list(range(4)), constraints=[trie] * 4, cache_keys=keys), params)
     assert backend.stats.reused_prompt_tokens == sum(len(p) + len(g.response_ids) - 1 for p, g in zip(prompts, first))

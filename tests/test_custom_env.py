@@ -194,3 +194,14 @@ def test_a_game_may_declare_a_split_it_cannot_fill(monkeypatch):
         kernels_of(GuessWithHint, "validation")
     summary = check_env(GuessWithHint, lineups=[("bisect", "hint")], episodes=1, examples=2, max_steps=5)
     assert (summary.kernels, summary.episodes) == (200, 2 + 2)
+
+
+def test_a_game_written_against_the_former_name_of_iterated_games_still_loads():
+    from repertory.envs import IteratedGame, RoundGame
+    from repertory.envs.ipd import IteratedPrisonersDilemma
+
+    class Renamed(RoundGame):  # what a user's game imported before the rename
+        pass
+
+    assert RoundGame is IteratedGame and issubclass(Renamed, IteratedGame)
+    assert issubclass(IteratedPrisonersDilemma, RoundGame)

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from conftest import rows
 
 import repertory.models.decode as decode
 from repertory.generation import SamplingParams
@@ -217,9 +218,9 @@ def _sample(tokenizer, loaded, temperature: float, paged: bool = False) -> list[
     texts = ("Hi", "Round 1 of 10. " * 9, "You are Alice. " * 3, "x " * 40)
     prompts = [tokenizer.encode(text) for text in texts]
     keys = [f"row{i}" for i in range(len(prompts))]
-    first = backend.generate(prompts, params, seeds=[1, 2, 3, 4], cache_keys=keys)
+    first = backend.generate(rows(prompts, [1, 2, 3, 4], cache_keys=keys), params)
     longer = [p + g.response_ids + tokenizer.encode(" and then?") for p, g in zip(prompts, first)]
-    second = backend.generate(longer, params, seeds=[5, 6, 7, 8], cache_keys=keys)
+    second = backend.generate(rows(longer, [5, 6, 7, 8], cache_keys=keys), params)
     assert backend.stats.reused_prompt_tokens > 0
     return [g.response_ids for g in first + second]
 

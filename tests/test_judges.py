@@ -10,6 +10,7 @@ import threading
 import uuid
 
 import pytest
+from conftest import rows
 from fake_openai import FakeOpenAI
 
 from repertory.agents import BotAgent
@@ -292,6 +293,7 @@ def test_the_local_judges_prefix_reuse_gives_the_answers_of_questions_asked_one_
                 chat = [Message(m["role"], m["content"]) for m in dimension_messages(r, agent, d.name)]
                 choices = alone.constraint([str(v) for v in range(d.low, d.high + 1)])
                 (g,) = alone.generate(
-                    [chat_prompt_ids(alone.tokenizer, chat)], SamplingParams(0.0, 1.0, 4), [0], [choices]
+                    rows([chat_prompt_ids(alone.tokenizer, chat)], [0], constraints=[choices]),
+                    SamplingParams(0.0, 1.0, 4),
                 )
                 assert float(alone.decode(g.response_ids).strip()) == verdict[agent][d.name]

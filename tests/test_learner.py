@@ -16,7 +16,7 @@ from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
 from repertory.train.batch import Batch, Experience, Sample, collect
-from repertory.train.learner import Learner
+from repertory.train.learner import Learner, micro_batches
 from repertory.train.learner_state import load_learner, save_learner
 from repertory.types import Action, Episode, Kernel, Result, RoleResult, Seat, Turn
 
@@ -135,7 +135,7 @@ def test_an_exact_sampler_s_log_probs_are_the_old_policy_s_beyond_a_spot_check(t
     batch = collect(episodes)
     learner = _reusing_learner(tokenizer)
     metrics = learner.score(batch, version=0)
-    first = {i for seq in learner._micro_batches(batch.sequences)[0] for i, _ in seq.spans}
+    first = {i for seq in micro_batches(batch.sequences, learner.algo.micro_batch_tokens)[0] for i, _ in seq.spans}
     rest = [i for i, s in enumerate(batch.samples) if s.trained and i not in first]
     assert first and rest
     for i in rest:  # taken as recorded, not scored
@@ -171,7 +171,7 @@ def test_the_policy_scores_every_sample_when_the_sampler_may_differ(tokenizer, e
     batch = collect(episodes)
     learner = _reusing_learner(tokenizer, critic=case == "critic")
     if case == "gap":  # a sampler off by more than float noise in the spot check: the rest is not trusted
-        first = learner._micro_batches(batch.sequences)[0][0].spans[0][0]
+        first = micro_batches(batch.sequences, learner.algo.micro_batch_tokens)[0][0].spans[0][0]
         batch.samples[first].logp_sample = [x + 0.01 for x in batch.samples[first].logp_sample]
     metrics = learner.score(batch, version=1 if case == "stale" else 0)
     assert metrics["offpolicy/rescored_frac"] == 1.0 and batch.old_gap == 0.0
@@ -279,7 +279,9 @@ def test_micro_batches_reproduce_the_unsplit_gradient(tokenizer, episodes):
         learner.optimizer.step = capture
         batch.assign(advantages, returns)
         learner.update(batch, seed_key=0)
-        assert len(learner._micro_batches(batch.sequences)) == (len(batch.sequences) if budget == 1 else 1)
+        assert len(micro_batches(batch.sequences, learner.algo.micro_batch_tokens)) == (
+            len(batch.sequences) if budget == 1 else 1
+        )
         grads[budget] = captured[0]
     a, b = grads[1], grads[1 << 20]
     # float32 sums in a different order: compare the whole gradient, relative to its norm

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rows
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
@@ -121,7 +122,7 @@ def test_hf_backend_in_bfloat16_samples_close_to_the_float32_learner(tokenizer):
     loaded = tiny_model(tokenizer, layers=2, hidden=96, heads=6, kv_heads=2, seed=2)
     backend = make_backend("hf", loaded, precision="bfloat16")
     prompts = [tokenizer.encode(t) for t in ("Round 1 of 10. " * 5, "You are Alice. " * 3)]
-    generations = backend.generate(prompts, SamplingParams(max_new_tokens=16), seeds=[1, 2])
+    generations = backend.generate(rows(prompts, [1, 2]), SamplingParams(max_new_tokens=16))
     gaps = []
     for prompt, g in zip(prompts, generations):
         with torch.no_grad():

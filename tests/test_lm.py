@@ -3,20 +3,24 @@ seeded sampling, constrained actions, one batched call per tick, and model loadi
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
-from conftest import tiny_checkpoint
+from conftest import rows, tiny_checkpoint
 
 from repertory.agents import LMOptions, Request
+from repertory.agents.live import LIVE, LivePolicy
 from repertory.agents.lm import LMAgent
 from repertory.agents.resolve import make_agent
+from repertory.config import LoraConfig
 from repertory.envs import env_class
-from repertory.generation import SamplingParams, TokenTrie
+from repertory.generation import SYNCED, GenerationRequest, SamplingParams, TokenTrie, make_backend
 from repertory.generation.hf import HFBackend
-from repertory.models import load_model, load_tokenizer, tiny_model
+from repertory.models import LoadedModel, load_model, load_tokenizer, tiny_model
 from repertory.rollout import run_episodes, schedule
+from repertory.train.heads import with_lora
 from repertory.types import Message, RepertoryError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -43,7 +47,7 @@ def teacher_forced(backend: HFBackend, prompt: list[int], response: list[int], t
 def test_sampled_logprobs_equal_teacher_forced_recomputation(backend, tokenizer, temperature, top_p):
     prompts = [tokenizer.encode(text) for text in ("Hi", "Round 1 of 10. " * 7, "You are Alice. " * 3, "x " * 40)]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24)
-    generations = backend.generate(prompts, params, seeds=[11, 12, 13, 14])
+    generations = backend.generate(rows(prompts, [11, 12, 13, 14]), params)
     assert len({len(p) for p in prompts}) == 4
     for prompt, g in zip(prompts, generations):
         assert len(g.logp_sample) == len(g.response_ids) > 0
@@ -54,10 +58,10 @@ def test_sampled_logprobs_equal_teacher_forced_recomputation(backend, tokenizer,
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, tokenizer):
     prompts = [tokenizer.encode(t) for t in ("alpha", "beta gamma delta", "epsilon " * 9)]
     params = SamplingParams(max_new_tokens=16)
-    first = backend.generate(prompts, params, seeds=[1, 2, 3])
-    again = backend.generate(prompts, params, seeds=[1, 2, 3])
-    alone = backend.generate(prompts[1:2], params, seeds=[2])
-    other = backend.generate(prompts, params, seeds=[4, 5, 6])
+    first = backend.generate(rows(prompts, [1, 2, 3]), params)
+    again = backend.generate(rows(prompts, [1, 2, 3]), params)
+    alone = backend.generate(rows(prompts[1:2], [2]), params)
+    other = backend.generate(rows(prompts, [4, 5, 6]), params)
     assert [g.response_ids for g in first] == [g.response_ids for g in again]
     assert alone[0].response_ids == first[1].response_ids
     assert [g.response_ids for g in first] != [g.response_ids for g in other]
@@ -66,7 +70,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(backend, token
 def _assert_sampled_as_if_alone(backend, prompts, seeds, params, together):
     """Each row of a batch drew the tokens and log-probs (within float noise) it draws alone."""
     for prompt, seed, g in zip(prompts, seeds, together):
-        alone = backend.generate([prompt], params, [seed])[0]
+        alone = backend.generate(rows([prompt], [seed]), params)[0]
         assert alone.response_ids == g.response_ids
         assert max(abs(x - y) for x, y in zip(alone.logp_sample, g.logp_sample)) < 1e-4
 
@@ -76,7 +80,7 @@ def test_rows_with_one_prompt_encode_it_once_and_sample_as_if_alone(backend, tok
     prompts, seeds = [a, b, a, a, b], [21, 22, 23, 24, 25]
     params = SamplingParams(max_new_tokens=12)
     shared_before = backend.stats.shared_prompt_tokens
-    together = backend.generate(prompts, params, seeds)
+    together = backend.generate(rows(prompts, seeds), params)
     assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(a) + len(b)
     assert len({tuple(g.response_ids) for g in together[::2]}) > 1  # the copies of one prompt drew their own samples
     _assert_sampled_as_if_alone(backend, prompts, seeds, params, together)
@@ -89,7 +93,7 @@ def test_rows_joining_under_one_key_encode_their_common_prefix_once_and_sample_a
     episode = object()  # a key no kept prefix has
     params = SamplingParams(max_new_tokens=8)
     shared_before, passes_before = backend.stats.shared_prompt_tokens, backend.stats.forward_passes
-    together = backend.generate(prompts, params, seeds, cache_keys=[episode, episode, episode, None])
+    together = backend.generate(rows(prompts, seeds, cache_keys=[episode, episode, episode, None]), params)
     assert backend.stats.shared_prompt_tokens - shared_before == 2 * len(head)
     # the common prefix encoded once, Bob's prompt but its last token alone, then one pass of the short suffixes
     first, second, suffixes = backend.stats.passes[passes_before : passes_before + 3]
@@ -107,7 +111,7 @@ def test_rows_of_a_key_with_little_in_common_are_encoded_one_by_one_beside_a_sha
     apart = [tokenizer.encode("Alpha beta gamma delta epsilon."), tokenizer.encode("Zeta eta theta iota kappa lambda.")]
     a, b = object(), object()
     before = backend.stats.forward_passes
-    backend.generate([*shared, *apart], SamplingParams(max_new_tokens=2), [1, 2, 3, 4], cache_keys=[a, a, b, b])
+    backend.generate(rows([*shared, *apart], [1, 2, 3, 4], cache_keys=[a, a, b, b]), SamplingParams(max_new_tokens=2))
     passes = backend.stats.passes[before:]
     singles = sorted(p.new_tokens for p in passes if p.rows == 1)
     assert singles == sorted([len(head), len(apart[0]) - 1, len(apart[1]) - 1])
@@ -121,21 +125,21 @@ def test_rows_of_one_cache_key_join_side_by_side_at_the_place_of_their_shortest(
     prompts = [[1] * 9, [2] * 3, [1] * 5, [3] * 4, [2] * 7, [4] * 2]
     keys = ["a", "b", "a", None, "b", None]
     # b's rows at 3 (its shortest), a's at 5, the keyless rows at their own lengths, 2 and 4
-    assert _join_order(prompts, keys) == [5, 1, 4, 3, 2, 0]
-    assert _join_order(prompts, [None] * 6) == sorted(range(6), key=lambda i: len(prompts[i]))
+    assert _join_order(rows(prompts, list(range(6)), cache_keys=keys)) == [5, 1, 4, 3, 2, 0]
+    assert _join_order(rows(prompts, list(range(6)))) == sorted(range(6), key=lambda i: len(prompts[i]))
 
 
 def test_greedy_budget_and_stop_strings(backend, tokenizer):
     prompt = [tokenizer.encode("Count with me")]
-    greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
+    greedy = backend.generate(rows(prompt, [0]), SamplingParams(temperature=0, max_new_tokens=5))[0]
     assert greedy.finish == "length" and len(greedy.response_ids) == 5
     assert (
         greedy.response_ids
-        == backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0].response_ids
+        == backend.generate(rows(prompt, [9]), SamplingParams(temperature=0, max_new_tokens=5))[0].response_ids
     )
     text = backend.decode(greedy.response_ids)
     stop = text[-2:] if len(text) >= 2 else text
-    stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
+    stopped = backend.generate(rows(prompt, [0]), SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)))[0]
     assert stopped.finish == "stop" and stop in backend.decode(stopped.response_ids)
 
 
@@ -144,7 +148,7 @@ def test_token_trie_restricts_to_the_choices(backend, tokenizer):
     trie = backend.constraint(choices)
     assert isinstance(trie, TokenTrie) and backend.constraint(choices) is trie
     prompts = [tokenizer.encode(f"prompt {i}") for i in range(12)]
-    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(12)), constraints=[trie] * 12)
+    out = backend.generate(rows(prompts, list(range(12)), constraints=[trie] * 12), SamplingParams(max_new_tokens=32))
     texts = [backend.decode(g.response_ids) for g in out]
     assert set(texts) <= set(choices) and len(set(texts)) == 2
     assert all(g.finish == "stop" and g.response_ids[-1] == backend.end_of_turn_id for g in out)
@@ -160,14 +164,14 @@ def test_forced_tokens_share_a_forward_pass_with_the_sampled_one(backend, tokeni
     trie = backend.constraint(["<choose>A</choose>", "<choose>B</choose>"])
     prompts = [tokenizer.encode(f"round {i} " * (i + 1)) for i in range(6)]
     before = backend.stats.forward_passes
-    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(6)), constraints=[trie] * 6)
+    out = backend.generate(rows(prompts, list(range(6)), constraints=[trie] * 6), SamplingParams(max_new_tokens=32))
     assert backend.stats.forward_passes - before == 3
     assert {len(g.response_ids) for g in out} == {8}
     for prompt, g in zip(prompts, out):
         expected = teacher_forced(backend, prompt, g.response_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(expected, g.logp_sample)) < 1e-4
     # a budget that ends inside the forced suffix cuts it exactly there
-    cut = backend.generate(prompts[:2], SamplingParams(max_new_tokens=5), seeds=[0, 1], constraints=[trie] * 2)
+    cut = backend.generate(rows(prompts[:2], [0, 1], constraints=[trie] * 2), SamplingParams(max_new_tokens=5))
     assert all(g.finish == "length" and g.response_ids == out[i].response_ids[:5] for i, g in enumerate(cut))
 
 
@@ -415,17 +419,69 @@ def test_each_forward_pass_records_its_rows_new_tokens_and_context(backend, toke
     fresh = HFBackend(backend.loaded)
     prompts = [tokenizer.encode("one two three four five")[:5], tokenizer.encode("a b c d e f g h i j k")[:9]]
     assert [len(p) for p in prompts] == [5, 9]
-    out = fresh.generate(prompts, SamplingParams(temperature=0, max_new_tokens=3), seeds=[0, 1])
+    out = fresh.generate(rows(prompts, [0, 1]), SamplingParams(temperature=0, max_new_tokens=3))
     assert [len(g.response_ids) for g in out] == [3, 3]
     # prefill: 5 + 9 tokens, each attending to itself and those before; then one token a row over the context
     assert [tuple(p) for p in fresh.stats.passes] == [(2, 14, 0, 15 + 45), (2, 2, 14, 6 + 10), (2, 2, 16, 7 + 11)]
     assert fresh.stats.forward_passes == 3
     # a reused prefix is context: only the rest of the prompt is fed
     prompt = tokenizer.encode("Round 1 of 10. " * 3)
-    first = fresh.generate([prompt], SamplingParams(temperature=0, max_new_tokens=3), seeds=[0], cache_keys=["k"])
+    first = fresh.generate(rows([prompt], [0], cache_keys=["k"]), SamplingParams(temperature=0, max_new_tokens=3))
     longer = prompt + first[0].response_ids + tokenizer.encode(" next")
     fresh.stats = type(fresh.stats)()
-    fresh.generate([longer], SamplingParams(temperature=0, max_new_tokens=1), seeds=[0], cache_keys=["k"])
+    fresh.generate(rows([longer], [0], cache_keys=["k"]), SamplingParams(temperature=0, max_new_tokens=1))
     reused = fresh.stats.reused_prompt_tokens
     new = len(longer) - reused
     assert reused > 0 and fresh.stats.passes == [(1, new, reused, new * reused + new * (new + 1) // 2)]
+
+
+def test_each_row_names_the_version_that_samples_it(backend, tokenizer):
+    """An agent's rows carry their adapter (the live one as SYNCED, so a model without LoRA samples itself); a
+    stream's adapter fills only the rows that leave the choice open."""
+    request = Request("e", 0, "Alice", [Message("user", "Cooperate or defect?")], {})
+    chosen = {a: LMAgent(backend, adapter=a)._generation_requests([request])[0].adapter for a in (None, "snap-2")}
+    assert LMAgent(backend)._generation_requests([request])[0].adapter is SYNCED
+    assert chosen == {None: None, "snap-2": "snap-2"}
+    assert GenerationRequest([1], 0).or_adapter("b").adapter == "b"
+    assert GenerationRequest([1], 0, adapter=None).or_adapter("b").adapter is None
+    assert GenerationRequest([1], 0, adapter="a").or_adapter(SYNCED).adapter == "a"
+
+
+def _live_policy(tokenizer, lora: bool) -> LivePolicy:
+    """A tiny live policy whose trained weights differ from its base (a random adapter, or moved weights)."""
+    loaded = tiny_model(tokenizer, layers=2, hidden=64, seed=3)
+    torch.manual_seed(4)
+    reference = None
+    if lora:
+        peft = with_lora(loaded.model, LoraConfig(r=4, alpha=8.0), seed=1)
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        loaded = LoadedModel(loaded.model, tokenizer, loaded.name, peft)
+    else:
+        reference = LoadedModel(copy.deepcopy(loaded.model), tokenizer, loaded.name)
+        with torch.no_grad():
+            for p in loaded.model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+    agent = LMAgent(make_backend("hf", loaded), LIVE, SamplingParams(max_new_tokens=8), seed=7, policy_id=LIVE)
+    return LivePolicy(agent, loaded, reference)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_live_policy_rebuilt_from_its_portable_form_samples_as_it_does_and_takes_new_weights(tokenizer, lora):
+    live = _live_policy(tokenizer, lora)
+    rebuilt = LivePolicy.rebuild(live.portable())
+    assert rebuilt.weights().keys() == live.weights().keys()
+    assert all(torch.equal(rebuilt.weights()[k], v) for k, v in live.weights().items())
+    request = Request("e", 0, "Alice", [Message("user", "Round 1 of 10. Cooperate or defect?")], {})
+    mine, theirs = live.agent.act([request])[0], rebuilt.agent.act([request])[0]
+    assert theirs.response_ids == mine.response_ids
+    assert theirs.logp_sample == pytest.approx(mine.logp_sample, abs=1e-5)
+    moved = {k: v + 0.05 for k, v in live.weights().items()}
+    rebuilt.load_weights(3, moved)
+    assert rebuilt.agent.backend.version == 3
+    assert all(torch.equal(rebuilt.weights()[k], v) for k, v in moved.items())
+    if not lora:  # under full fine-tuning the base travels as the frozen reference
+        with pytest.raises(RepertoryError, match="frozen reference"):
+            LivePolicy(live.agent, live.loaded).portable()

@@ -599,7 +599,7 @@ def test_st_grpo_advantages_are_group_normalised_g0_per_kernel(tmp_path, tokeniz
 def test_mt_ppo_rewards_g0_on_the_last_agent_turn_and_trains_a_critic(tmp_path, tokenizer):
     config = _config(tmp_path, "ppo", "rollout.episodes_per_kernel=1", "algo.mini_batches=1", method="mt-ppo")
     trainer = start_run(config, tiny_model(tokenizer))
-    assert trainer.learner.value is not None and trainer.method.estimator.name == "gae"
+    assert trainer.learner.critic is not None and trainer.method.estimator.name == "gae"
     turns, episodes = trainer.deploy(0)
     batch = collect(episodes)
     inputs = trainer.method.estimator_inputs(batch)

@@ -26,7 +26,7 @@ from repertory.agents import LMOptions, Request
 from repertory.agents.resolve import make_agent
 from repertory.config import load_config
 from repertory.envs import env_class, load_kernels, make
-from repertory.generation import SamplingParams, make_backend
+from repertory.generation import GenerationRequest, SamplingParams, make_backend
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.remote import RemoteError
@@ -120,7 +120,9 @@ def test_the_log_holds_exactly_what_was_exchanged(tmp_path, loaded):
     assert [row["t"] for row in rows[:2]] == [0, 1]  # turns count the model's earlier answers
     assert rows[2]["conversation_id"] == anonymous.id and rows[2]["seed"] > 0  # no header: its own conversation
     backend = make_backend("hf", loaded)  # a logged seed replays its completion exactly
-    replayed = backend.generate([rows[0]["prompt_ids"]], SamplingParams(1.0, 1.0, 10), [rows[0]["seed"]])[0]
+    replayed = backend.generate(
+        [GenerationRequest(rows[0]["prompt_ids"], rows[0]["seed"])], SamplingParams(1.0, 1.0, 10)
+    )[0]
     assert replayed.response_ids == rows[0]["response_ids"]
 
 

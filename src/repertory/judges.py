@@ -184,7 +184,7 @@ class LocalJudge:
     stats: JudgeStats = field(default_factory=JudgeStats)
 
     def score(self, requests: list[JudgeRequest]) -> list[Verdict | None]:
-        from repertory.generation import SamplingParams
+        from repertory.generation import GenerationRequest, SamplingParams
         from repertory.models.chat import chat_prompt_ids
         from repertory.types import Message
 
@@ -208,12 +208,16 @@ class LocalJudge:
             prompts = [
                 chat_prompt_ids(tokenizer, [Message(m["role"], m["content"]) for m in msgs]) for _, msgs, _ in todo
             ]
-            constraints = [self.backend.constraint([str(v) for v in range(d.low, d.high + 1)]) for _, _, d in todo]
-            episodes = [
-                (self.name, requests[questions[q][0]].kind, requests[questions[q][0]].context) for q, _, _ in todo
+            rows = [
+                GenerationRequest(
+                    prompt,
+                    seed=0,
+                    constraint=self.backend.constraint([str(v) for v in range(d.low, d.high + 1)]),
+                    cache_key=(self.name, requests[questions[q][0]].kind, requests[questions[q][0]].context),
+                )
+                for prompt, (q, _, d) in zip(prompts, todo)
             ]
-            params = SamplingParams(temperature=0.0, max_new_tokens=4)
-            generations = self.backend.generate(prompts, params, [0] * len(todo), constraints, episodes)
+            generations = self.backend.generate(rows, SamplingParams(temperature=0.0, max_new_tokens=4))
             for (q, _, _), key, g in zip(todo, keys, generations):
                 answers[q] = self.backend.decode(g.response_ids).strip()
                 if self.cache is not None:

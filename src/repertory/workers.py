@@ -3,9 +3,10 @@
 The episodes of one call are cut into N contiguous shards, one per Ray actor; each actor holds its own
 backend, environments and agents and plays its shard with the ordinary engine (:func:`run_episodes`).
 Agents travel as their specs (``tit-for-tat``, ``base``, ``model:PATH``, ``snapshot@K``...), which every
-actor resolves itself with :func:`~repertory.agents.resolve.make_agent`; ``live`` is the trainer's policy,
-rebuilt in the actor from a :class:`LiveSource` and brought up to date by :meth:`RolloutActors.publish` after
-every learner update (the live adapter under LoRA, all weights otherwise), tagged with its version.
+actor resolves itself with :func:`~repertory.agents.resolve.make_agent`; ``live`` is the trainer's
+:class:`~repertory.agents.live.LivePolicy`, rebuilt in the actor from its portable form and brought up to date
+by :meth:`RolloutActors.publish` after every learner update (the live adapter under LoRA, all weights
+otherwise), tagged with its version.
 
 Sampling seeds depend on episode, seat and turn only, so with the ``hf`` backend a sharded call plays the
 very episodes the in-process call plays. An actor that dies fails the whole call with its shard named, and
@@ -16,7 +17,6 @@ shared file system).
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 from collections.abc import Callable
@@ -27,41 +27,13 @@ from urllib.parse import urlsplit
 import torch
 
 from repertory.agents import Agent, LMOptions
-from repertory.agents.lm import LIVE_ADAPTER, LMAgent
-from repertory.agents.resolve import LivePolicy, make_agent
+from repertory.agents.live import LIVE, LivePolicy, LiveSource
+from repertory.agents.resolve import make_agent
 from repertory.envs import env_class
-from repertory.generation import SamplingParams, make_backend
-from repertory.models import LoadedModel
-from repertory.models.attention import ATTENTION
-from repertory.models.checkpoints import load_adapter
-from repertory.models.linear import use_fast_linears
 from repertory.rollout import EpisodeSpec, run_episodes
-from repertory.runs import RunDir
 from repertory.types import Episode, Judge, RepertoryError
 
-LIVE = "live"  # the spec of the trainer's live policy inside a worker
 RAY_CLIENT_PORT = 10001  # Ray Client's port when a ray:// address names none
-
-
-@dataclass
-class LiveSource:
-    """What an actor needs to rebuild a trainer's live policy: the architecture, the weights under the adapters
-    (``base``), the live weights (the adapter's under LoRA, else the whole model's), the LoRA config (None
-    under full fine-tuning) and how the live agent samples."""
-
-    model_config: Any
-    tokenizer: Any
-    name: str
-    base: dict[str, torch.Tensor]
-    live: dict[str, torch.Tensor]
-    lora: Any
-    version: int
-    params: SamplingParams
-    constrained: bool
-    seed: int
-    engine: str = "hf"
-    engine_args: dict[str, Any] | None = None
-    pool_run: RunDir | None = None  # the run whose opponent-pool snapshots snapshot@K loads
 
 
 class RolloutWorker:
@@ -83,62 +55,14 @@ class RolloutWorker:
         self.live: LivePolicy | None = None
         self.agents: dict[str, Agent] = dict(lineup()) if lineup is not None else {}
         if live is not None:
-            self.live = self._rebuild(live)
+            self.live = LivePolicy.rebuild(live)
             self.agents[LIVE] = self.live.agent
-
-    @staticmethod
-    def _rebuild(source: LiveSource) -> LivePolicy:
-        from peft import get_peft_model, set_peft_model_state_dict
-        from transformers import AutoModelForCausalLM
-
-        dtype = next(iter(source.base.values())).dtype
-        model = AutoModelForCausalLM.from_config(source.model_config, dtype=dtype, attn_implementation=ATTENTION)
-        model.load_state_dict(source.base, strict=False)
-        model.eval()
-        use_fast_linears(model)
-        peft, reference = None, None
-        if source.lora is not None:
-            with torch.random.fork_rng(devices=[]):
-                peft = get_peft_model(model, copy.deepcopy(source.lora))
-            use_fast_linears(peft)
-            set_peft_model_state_dict(peft, source.live, adapter_name=LIVE_ADAPTER)
-        else:
-            reference = LoadedModel(copy.deepcopy(model), source.tokenizer, source.name)
-            model.load_state_dict(source.live)
-        loaded = LoadedModel(model, source.tokenizer, source.name, peft)
-        backend = make_backend(source.engine, loaded, **(source.engine_args or {}))
-        backend.version = source.version
-        agent = LMAgent(backend, "live", source.params, source.constrained, source.seed, policy_id="live")
-        pool_run = source.pool_run
-
-        def load_snapshot(k: int) -> str:
-            if pool_run is None or peft is None:
-                raise RepertoryError("snapshot@K needs a LoRA run with an opponent pool")
-            name = f"snapshot-{k}"
-            if name in peft.peft_config:
-                return name
-            if not pool_run.snapshot(k).is_file():
-                raise RepertoryError(
-                    f"snapshot {pool_run.snapshot(k)} is not on this worker's node ({socket.gethostname()}): the run "
-                    "directory must be on a file system every node mounts at the same path"
-                )
-            return load_adapter(peft, name, pool_run.snapshot(k))
-
-        return LivePolicy(agent, peft, reference, load_snapshot, source.engine)
 
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Take the live policy's new weights (after a learner update) as version ``version``."""
         if self.live is None:
             raise RepertoryError("this worker has no live policy to update")
-        from peft import set_peft_model_state_dict
-
-        backend = self.live.agent.backend
-        if self.live.peft is not None:
-            set_peft_model_state_dict(self.live.peft, tensors, adapter_name=LIVE_ADAPTER)
-        else:
-            backend.model.load_state_dict(tensors)
-        backend.sync(backend.model)
-        backend.version = version
+        self.live.load_weights(version, tensors)
 
     def agent(self, spec: str) -> Agent:
         if spec not in self.agents:

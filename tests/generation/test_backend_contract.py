@@ -12,9 +12,10 @@ import os
 
 import pytest
 import torch
+from conftest import rows
 from transformers import AutoTokenizer
 
-from repertory.generation import BACKENDS, Backend, SamplingParams, TokenTrie, make_backend
+from repertory.generation import BACKENDS, Backend, GenerationRequest, SamplingParams, TokenTrie, make_backend
 from repertory.models import LoadedModel, load_tokenizer, tiny_model
 
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -78,7 +79,7 @@ def test_sampled_logprobs_equal_teacher_forced_recomputation(engine, tokenizer, 
     backend, loaded = engine
     prompts = [tokenizer.encode(text) for text in ("Hi", "Round 1 of 10. " * 7, "You are Alice. " * 3, "x " * 40)]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=24)
-    for prompt, g in zip(prompts, backend.generate(prompts, params, seeds=[11, 12, 13, 14])):
+    for prompt, g in zip(prompts, backend.generate(rows(prompts, [11, 12, 13, 14]), params)):
         assert len(g.logp_sample) == len(g.response_ids) > 0
         assert largest_gap(teacher_forced(loaded.model, prompt, g.response_ids, temperature), g.logp_sample) < TOL
 
@@ -87,36 +88,36 @@ def test_seeds_reproduce_rows_independent_of_batch_composition(engine, tokenizer
     backend, _ = engine
     a, b, c = (tokenizer.encode(t) for t in ("alpha", "beta gamma delta", "epsilon " * 9))
     params = SamplingParams(max_new_tokens=16)
-    first = backend.generate([a, b, c], params, seeds=[1, 2, 3])
-    assert [g.response_ids for g in backend.generate([a, b, c], params, seeds=[1, 2, 3])] == [
+    first = backend.generate(rows([a, b, c], [1, 2, 3]), params)
+    assert [g.response_ids for g in backend.generate(rows([a, b, c], [1, 2, 3]), params)] == [
         g.response_ids for g in first
     ]
-    assert backend.generate([b], params, seeds=[2])[0].response_ids == first[1].response_ids
-    assert [g.response_ids for g in backend.generate([c, a, b], params, seeds=[3, 1, 2])] == [
+    assert backend.generate(rows([b], [2]), params)[0].response_ids == first[1].response_ids
+    assert [g.response_ids for g in backend.generate(rows([c, a, b], [3, 1, 2]), params)] == [
         first[2].response_ids,
         first[0].response_ids,
         first[1].response_ids,
     ]
-    assert [g.response_ids for g in backend.generate([a, b, c], params, seeds=[4, 5, 6])] != [
+    assert [g.response_ids for g in backend.generate(rows([a, b, c], [4, 5, 6]), params)] != [
         g.response_ids for g in first
     ]
     # Copies of one prompt in one call (a state's candidates) each sample as if alone.
-    copies = backend.generate([a, a, a], params, seeds=[7, 8, 9])
+    copies = backend.generate(rows([a, a, a], [7, 8, 9]), params)
     assert len({tuple(g.response_ids) for g in copies}) > 1
     for seed, g in zip([7, 8, 9], copies):
-        alone = backend.generate([a], params, [seed])[0]
+        alone = backend.generate(rows([a], [seed]), params)[0]
         assert alone.response_ids == g.response_ids and largest_gap(alone.logp_sample, g.logp_sample) < TOL
 
 
 def test_greedy_budget_and_stop_strings(engine, tokenizer):
     backend, _ = engine
     prompt = [tokenizer.encode("Count with me")]
-    greedy = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[0])[0]
+    greedy = backend.generate(rows(prompt, [0]), SamplingParams(temperature=0, max_new_tokens=5))[0]
     assert greedy.finish == "length" and len(greedy.response_ids) == 5
-    assert backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5), seeds=[9])[0] == greedy
+    assert backend.generate(rows(prompt, [9]), SamplingParams(temperature=0, max_new_tokens=5))[0] == greedy
     text = backend.decode(greedy.response_ids)
     stop = text[-2:] if len(text) >= 2 else text
-    stopped = backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)), seeds=[0])[0]
+    stopped = backend.generate(rows(prompt, [0]), SamplingParams(temperature=0, max_new_tokens=5, stop=(stop,)))[0]
     assert stopped.finish == "stop" and stop in backend.decode(stopped.response_ids)
 
 
@@ -126,7 +127,9 @@ def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
     constraint = backend.constraint(choices)
     assert isinstance(constraint, TokenTrie)
     prompts = [tokenizer.encode(f"prompt {i} " * (i % 4 + 1)) for i in range(16)]
-    out = backend.generate(prompts, SamplingParams(max_new_tokens=32), list(range(16)), [constraint] * 16)
+    out = backend.generate(
+        rows(prompts, list(range(16)), constraints=[constraint] * 16), SamplingParams(max_new_tokens=32)
+    )
     texts = [backend.decode(g.response_ids) for g in out]
     assert set(texts) <= set(choices) and len(set(texts)) > 1
     assert all(g.finish == "stop" for g in out)
@@ -134,8 +137,10 @@ def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
     for prompt, g in zip(prompts, out):
         assert largest_gap(teacher_forced(loaded.model, prompt, g.response_ids, 1.0), g.logp_sample) < TOL
     # A constrained row beside free rows changes neither.
-    free = backend.generate(prompts[:2], SamplingParams(max_new_tokens=12), seeds=[0, 1])
-    mixed = backend.generate(prompts[:3], SamplingParams(max_new_tokens=12), [0, 1, 2], [None, None, constraint])
+    free = backend.generate(rows(prompts[:2], [0, 1]), SamplingParams(max_new_tokens=12))
+    mixed = backend.generate(
+        rows(prompts[:3], [0, 1, 2], constraints=[None, None, constraint]), SamplingParams(max_new_tokens=12)
+    )
     assert [g.response_ids for g in mixed[:2]] == [g.response_ids for g in free]
     assert backend.decode(mixed[2].response_ids) in choices
 
@@ -149,8 +154,8 @@ def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
         keys = sorted(histories)
         prompts = [histories[k] for k in keys]
         seeds = [100 * turn + i for i in range(len(keys))]
-        cached = backend.generate(prompts, params, seeds, cache_keys=[("contract", k) for k in keys])
-        plain = backend.generate(prompts, params, seeds)
+        cached = backend.generate(rows(prompts, seeds, cache_keys=[("contract", k) for k in keys]), params)
+        plain = backend.generate(rows(prompts, seeds), params)
         for c, p in zip(cached, plain):
             assert c.response_ids == p.response_ids and largest_gap(c.logp_sample, p.logp_sample) < TOL
         for k, g in zip(keys, cached):
@@ -163,12 +168,12 @@ def test_rows_joining_a_stream_in_flight_sample_as_if_alone(engine, tokenizer):
     backend, _ = engine
     params = SamplingParams(max_new_tokens=12)
     prompts = [tokenizer.encode(t) for t in ("first row", "a second, longer row " * 4, "third " * 9)]
-    alone = [backend.generate([p], params, [s])[0] for s, p in enumerate(prompts)]
+    alone = [backend.generate(rows([p], [s]), params)[0] for s, p in enumerate(prompts)]
     stream = backend.stream(params)
-    index, got = {stream.add(prompts[0], 0): 0}, {}
+    index, got = {stream.add(GenerationRequest(prompts[0], 0)): 0}, {}
     for step in range(40):
         if step in (2, 4):
-            index[stream.add(prompts[step // 2], step // 2)] = step // 2
+            index[stream.add(GenerationRequest(prompts[step // 2], step // 2))] = step // 2
         for ticket, generation in stream.step():
             got[index[ticket]] = generation
     assert sorted(got) == [0, 1, 2] and not stream.busy
@@ -183,13 +188,13 @@ def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     backend = make_backend(kind, loaded)
     prompt = tokenizer.encode("Round 1 of 10. " * 4)
     params = SamplingParams(max_new_tokens=8)
-    backend.generate([prompt], params, [5], cache_keys=["seat"])
+    backend.generate(rows([prompt], [5], cache_keys=["seat"]), params)
     with torch.no_grad():
         for p in loaded.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     backend.sync(loaded.model)
-    after = backend.generate([prompt + [13]], params, [6], cache_keys=["seat"])[0]
-    fresh = make_backend(kind, loaded).generate([prompt + [13]], params, [6])[0]
+    after = backend.generate(rows([prompt + [13]], [6], cache_keys=["seat"]), params)[0]
+    fresh = make_backend(kind, loaded).generate(rows([prompt + [13]], [6]), params)[0]
     assert after.response_ids == fresh.response_ids and largest_gap(after.logp_sample, fresh.logp_sample) < TOL
     backend.close()
 

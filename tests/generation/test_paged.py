@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import rows
 
 import repertory.generation.stream as stream
-from repertory.generation import SamplingParams
+from repertory.generation import GenerationRequest, SamplingParams
 from repertory.generation.hf import HFBackend
 from repertory.generation.kvcache import PAGE, PagedPass, PagedPrefix, Pages, pages_for
 from repertory.models import load_tokenizer, tiny_model
@@ -96,11 +97,11 @@ def _turns(tokenizer, backend: HFBackend) -> list:
     questions = [episode + tokenizer.encode(q) for q in (" Score it.", " Rate agent 1.", " Rate agent 2 now.")]
     prompts = [*chats, chats[0], *questions]
     keys = [("chat", i) for i in range(4)] + [None, "episode", "episode", "episode"]
-    first = backend.generate(prompts, params, list(range(8)), cache_keys=keys)
+    first = backend.generate(rows(prompts, list(range(8)), cache_keys=keys), params)
     trie = backend.constraint(["<offer>120</offer>", "<offer>150</offer>", "<accept/>"])
     longer = [p + g.response_ids + tokenizer.encode(" and then?") for p, g in zip(chats, first)]
     second = backend.generate(
-        longer, params, [11, 12, 13, 14], constraints=[trie, None, trie, None], cache_keys=keys[:4]
+        rows(longer, [11, 12, 13, 14], constraints=[trie, None, trie, None], cache_keys=keys[:4]), params
     )
     return first + second
 
@@ -154,13 +155,13 @@ def test_a_chat_takes_over_its_kept_pages_and_no_page_leaks(kernel, tokenizer):
     pool = backend.pages()
     params = SamplingParams(max_new_tokens=6)
     prompt = tokenizer.encode("Round 1 of 10. " * 40)  # a few pages
-    [first] = backend.generate([prompt], params, [0], cache_keys=["chat"])
+    [first] = backend.generate(rows([prompt], [0], cache_keys=["chat"]), params)
     [kept] = backend.prefixes.values()
     pages = list(kept.pages)
     assert len(pages) == pages_for(len(prompt) + len(first.response_ids) - 1)
     assert pool.free + len(pages) == pool.count
     longer = prompt + first.response_ids + tokenizer.encode(" go on")
-    backend.generate([longer], params, [1], cache_keys=["chat"])
+    backend.generate(rows([longer], [1], cache_keys=["chat"]), params)
     [again] = backend.prefixes.values()
     assert again.pages[: len(pages) - 1] == pages[:-1]  # the same pages, not a copy (the last one partly rewritten)
     assert pool.free + len(again.pages) == pool.count
@@ -177,7 +178,7 @@ def test_rows_joining_with_a_common_prefix_hold_its_whole_pages_once(kernel, tok
     prompts = [episode + tokenizer.encode(q) for q in (" Score it.", " Rate agent 1.", " Rate agent 2.", " Who won?")]
     stream = backend.stream(SamplingParams(max_new_tokens=4))
     for seed, prompt in enumerate(prompts):
-        stream.add(prompt, seed, key="episode")
+        stream.add(GenerationRequest(prompt, seed, cache_key="episode"))
     stream.step()
     assert [pages_for(len(p)) for p in prompts] == [3] * 4
     assert pool.count - pool.free == 3 + 3 * 1  # the first row's 3 pages; each other row 2 held and 1 of its own
@@ -198,7 +199,7 @@ def test_a_bfloat16_cache_halves_each_token_and_samples_close_to_float32(kernel,
     assert halved.pages().keys[0].dtype == torch.bfloat16
     prompts = [tokenizer.encode("Round 1 of 10. " * 30), tokenizer.encode("You are Alice. " * 3)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    sampled = halved.generate(prompts, params, [0, 1])
+    sampled = halved.generate(rows(prompts, [0, 1]), params)
     with torch.no_grad():  # the float32 model's own log-probs of the tokens the bfloat16 cache sampled
         for prompt, generation in zip(prompts, sampled):
             ids = torch.tensor([prompt + generation.response_ids])

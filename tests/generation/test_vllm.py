@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from conftest import rows
 from peft import LoraConfig, get_peft_model
 
 from repertory.config import AdapterConfig, load_config
@@ -81,14 +82,18 @@ def test_base_and_two_adapters_in_one_batch_match_hf_with_peft(lora, tokenizer):
     one_path = backend.constraint(["<choose>A</choose> and more words"])
     params = SamplingParams(max_new_tokens=24)
     adapters = [None, "default", "b", None, "b"]
-    out = backend.generate([prompt] * 5, params, [1, 2, 3, 4, 5], [one_path] * 3 + [None] * 2, adapters=adapters)
+    out = backend.generate(
+        rows([prompt] * 5, [1, 2, 3, 4, 5], constraints=[one_path] * 3 + [None] * 2, adapters=adapters), params
+    )
     forced = [g.logp_sample for g in out[:3]]
     assert out[0].response_ids == out[1].response_ids == out[2].response_ids
     assert min(gap(forced[0], forced[1]), gap(forced[1], forced[2]), gap(forced[0], forced[2])) > 1e-2
     for adapter, g in zip(adapters, out):
         assert gap(teacher_forced(loaded, adapter, prompt, g.response_ids), g.logp_sample) < TOL
     # the same rows through the hf backend on the same PEFT model: the same versions, the same log-probs
-    hf = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters[:3])
+    hf = make_backend("hf", loaded).generate(
+        rows([prompt] * 3, [1, 2, 3], constraints=[one_path] * 3, adapters=adapters[:3]), params
+    )
     for a, b in zip(hf, out[:3]):
         assert a.response_ids == b.response_ids and gap(a.logp_sample, b.logp_sample) < TOL
 
@@ -98,9 +103,9 @@ def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer
     prompt = tokenizer.encode("The game begins. You are seat p0. " * 40)  # several KV blocks
     one_path = backend.constraint(["<keep>3</keep> is my move"])
     params = SamplingParams(max_new_tokens=16)
-    before = backend.generate([prompt], params, [0], [one_path])[0]
+    before = backend.generate(rows([prompt], [0], constraints=[one_path]), params)[0]
     reused = backend.stats.reused_prompt_tokens
-    again = backend.generate([prompt], params, [0], [one_path])[0]
+    again = backend.generate(rows([prompt], [0], constraints=[one_path]), params)[0]
     assert backend.stats.reused_prompt_tokens > reused and again == before  # the version's own blocks are reused
     with torch.no_grad():
         for name, p in loaded.peft.named_parameters():
@@ -108,7 +113,7 @@ def test_a_new_live_version_replaces_the_old_without_stale_cache(lora, tokenizer
                 p.add_(0.5 * torch.randn_like(p))
     backend.sync(loaded.model)
     reused = backend.stats.reused_prompt_tokens
-    after = backend.generate([prompt], params, [0], [one_path])[0]
+    after = backend.generate(rows([prompt], [0], constraints=[one_path]), params)[0]
     assert backend.stats.reused_prompt_tokens == reused  # no block of the old version serves the new one
     assert after.response_ids == before.response_ids and gap(after.logp_sample, before.logp_sample) > 1e-2
     assert gap(teacher_forced(loaded, "default", prompt, after.response_ids), after.logp_sample) < TOL
@@ -127,8 +132,10 @@ def test_after_a_learner_step_and_sync_rows_match_the_hf_backend(lora, tokenizer
     one_path = backend.constraint(["<choose>B</choose> because you chose A last round"])
     params = SamplingParams(max_new_tokens=24)
     adapters = ["default", "b", None]
-    ours = backend.generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
-    theirs = make_backend("hf", loaded).generate([prompt] * 3, params, [1, 2, 3], [one_path] * 3, adapters=adapters)
+    ours = backend.generate(rows([prompt] * 3, [1, 2, 3], constraints=[one_path] * 3, adapters=adapters), params)
+    theirs = make_backend("hf", loaded).generate(
+        rows([prompt] * 3, [1, 2, 3], constraints=[one_path] * 3, adapters=adapters), params
+    )
     for adapter, a, b in zip(adapters, theirs, ours):
         assert a.response_ids == b.response_ids and gap(a.logp_sample, b.logp_sample) < TOL
         assert gap(teacher_forced(loaded, adapter, prompt, b.response_ids), b.logp_sample) < TOL
@@ -143,7 +150,7 @@ def test_weight_loads_per_call_are_at_most_its_versions(lora, tokenizer):
 
     def loads(adapters: list[str | None]) -> int:
         before = backend.weight_loads
-        out = backend.generate([prompt] * len(adapters), params, list(range(len(adapters))), adapters=adapters)
+        out = backend.generate(rows([prompt] * len(adapters), list(range(len(adapters))), adapters=adapters), params)
         for adapter, g in zip(adapters, out):
             assert gap(teacher_forced(loaded, adapter, prompt, g.response_ids), g.logp_sample) < TOL
         return backend.weight_loads - before
@@ -174,9 +181,9 @@ def test_a_batch_larger_than_one_prefill_step(tokenizer):
     assert backend.llm.llm_engine.model_config.architectures == ["LlamaForCausalLM"]  # so the base names it
     prompts = [tokenizer.encode(f"Seat {i} speaks. " * 60)[:400] for i in range(6)]  # 2,400 tokens > 512 per step
     params = SamplingParams(max_new_tokens=8)
-    together = backend.generate(prompts, params, list(range(6)))
+    together = backend.generate(rows(prompts, list(range(6))), params)
     for i in (0, 5):
-        alone = backend.generate([prompts[i]], params, [i])[0]
+        alone = backend.generate(rows([prompts[i]], [i]), params)[0]
         assert alone.response_ids == together[i].response_ids and gap(alone.logp_sample, together[i].logp_sample) < TOL
     backend.close()
 
@@ -185,8 +192,8 @@ def test_enough_ends_a_row_early_at_a_check(lora, tokenizer):
     loaded, backend = lora
     prompt = tokenizer.encode("Say something long.")
     params = SamplingParams(max_new_tokens=40)
-    free = backend.generate([prompt], params, [7])[0]
-    short = backend.generate([prompt], params, [7], enough=[lambda text: len(text) > 0])[0]
+    free = backend.generate(rows([prompt], [7]), params)[0]
+    short = backend.generate(rows([prompt], [7], enough=[lambda text: len(text) > 0]), params)[0]
     assert short.finish == "length" and len(short.response_ids) == 8
     assert short.response_ids == free.response_ids[:8] and gap(short.logp_sample, free.logp_sample[:8]) < TOL
 
@@ -272,12 +279,14 @@ def test_every_role_adapter_is_a_new_version_after_each_sync(tokenizer, mode):
     one_path = backend.constraint(["<offer>40</offer> is my price"])
     params = SamplingParams(max_new_tokens=16)
     with pytest.raises(ValueError, match="name each row's adapter"):
-        backend.generate([prompt], params, [0])
-    before = backend.generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
+        backend.generate(rows([prompt], [0]), params)
+    before = backend.generate(rows([prompt] * 2, [1, 2], constraints=[one_path] * 2, adapters=roles), params)
     step()
     backend.sync(loaded.model)
-    after = backend.generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
-    hf = make_backend("hf", loaded).generate([prompt] * 2, params, [1, 2], [one_path] * 2, adapters=roles)
+    after = backend.generate(rows([prompt] * 2, [1, 2], constraints=[one_path] * 2, adapters=roles), params)
+    hf = make_backend("hf", loaded).generate(
+        rows([prompt] * 2, [1, 2], constraints=[one_path] * 2, adapters=roles), params
+    )
     backend.close()
     for old, new, reference in zip(before, after, hf):
         assert gap(old.logp_sample, new.logp_sample) > 1e-2  # each role samples its new version

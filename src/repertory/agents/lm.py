@@ -20,7 +20,7 @@ from repertory.agents import Request, Response
 from repertory.envs.parsing import clean
 from repertory.envs.roles import RoleAdapters
 from repertory.generation import Backend, SamplingParams, make_backend
-from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, Stream, TokenTrie
+from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, Stream
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.types import derive
@@ -74,9 +74,10 @@ class LMAgent:
         """The seat's chat rendered with the model's chat template, ready for the assistant turn."""
         return chat_prompt_ids(self.backend.tokenizer, request.messages)
 
-    def _rows(self, requests: list[Request]) -> list[tuple[list[int], int, TokenTrie | None, tuple, Enough]]:
-        """Each request as a backend row: prompt ids, seed, constraint, prefix-cache key and ``enough`` check. The
-        seed depends on (episode, seat, turn, guard attempt) alone, so a row samples the same tokens in any batch."""
+    def _generation_requests(self, requests: list[Request]) -> list[GenerationRequest]:
+        """Each request as a backend row. The seed depends on (episode, seat, turn, guard attempt) alone, so a row
+        samples the same tokens in any batch; the cache key names the seat's chat, whose prefix the next turn
+        reuses."""
         rows = []
         for r in requests:
             seed = derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
@@ -84,7 +85,8 @@ class LMAgent:
             enough = _visible_text_exceeds(r.max_chars) if r.max_chars is not None else None
             if self.watch is not None:
                 enough = _watched(self.watch, r, enough)
-            rows.append((self.prompt_ids(r), seed, constraint, (self.name, r.episode_id, r.seat), enough))
+            key = (self.name, r.episode_id, r.seat)
+            rows.append(GenerationRequest(self.prompt_ids(r), seed, constraint, key, enough, self._adapter(r)))
         return rows
 
     def _response(self, prompt: list[int], generation: Generation) -> Response:
@@ -99,23 +101,23 @@ class LMAgent:
 
     def act(self, requests: list[Request]) -> list[Response]:
         """Answer every request in one batched generation call."""
-        rows = self._rows(requests)
-        prompts, seeds, constraints, keys, enough = (list(x) for x in zip(*rows)) if rows else ([],) * 5
-        adapters = [self._adapter(r) for r in requests] if self.roles or self.adapter != LIVE_ADAPTER else None
-        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
-        return [self._response(prompt, g) for prompt, g in zip(prompts, generations)]
+        rows = self._generation_requests(requests)
+        generations = self.backend.generate(rows, self.params)
+        return [self._response(row.prompt_ids, g) for row, g in zip(rows, generations)]
 
     def submit(self, requests: list[Request]) -> None:
         """Queue requests into the batch in flight (continuous batching); ``poll`` returns them when answered."""
         if self._stream is None:
-            self._stream = self.backend.stream(self.params, SYNCED if self.adapter == LIVE_ADAPTER else self.adapter)
-        for request, (prompt, *row) in zip(requests, self._rows(requests)):
-            adapter = self._adapter(request) if self.roles is not None else SYNCED
-            self._queued[self._stream.add(prompt, *row, adapter)] = (request, prompt)
+            self._stream = self.backend.stream(self.params)
+        for request, row in zip(requests, self._generation_requests(requests)):
+            self._queued[self._stream.add(row)] = (request, row.prompt_ids)
 
-    def _adapter(self, request: Request) -> str | None:
-        """The adapter that samples ``request``: its seat's role or team adapter, else the agent's own."""
-        return self.roles.adapter(request.label, request.team) if self.roles is not None else self.adapter
+    def _adapter(self, request: Request) -> object:
+        """The version that samples ``request``: its seat's role or team adapter, else the agent's own (SYNCED
+        for the live adapter, so that a model without LoRA samples itself)."""
+        if self.roles is not None:
+            return self.roles.adapter(request.label, request.team)
+        return SYNCED if self.adapter == LIVE_ADAPTER else self.adapter
 
     @property
     def busy(self) -> bool:

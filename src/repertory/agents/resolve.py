@@ -18,32 +18,20 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from repertory.agents import Agent, BotAgent, HumanAgent, LMOptions, RemoteAgent, ScriptAgent, agent_names
+from repertory.agents.live import LivePolicy
 from repertory.agents.lm import LMAgent, shared_backend
 from repertory.envs import Env
 from repertory.envs.roles import RoleAdapters
 from repertory.generation import SamplingParams, engine_options, make_backend
-from repertory.models import EMBEDDED, LoadedModel
+from repertory.models import EMBEDDED
 from repertory.models.checkpoints import load_policy, run_precision
 from repertory.remote import ChatClient, Endpoint, openai_spec
 from repertory.runs import is_run_or_checkpoint, resolve_checkpoint
 from repertory.types import RepertoryError
-
-
-@dataclass
-class LivePolicy:
-    """A trainer's live policy, against which ``base`` and ``snapshot@K`` resolve without loading weights."""
-
-    agent: LMAgent
-    peft: Any = None  # LoRA: the live PEFT model (base = adapters off; snapshots = other adapters)
-    reference: LoadedModel | None = None  # full fine-tuning: the frozen initial weights
-    load_snapshot: Callable[[int], str] | None = None  # snapshot K -> the name of its loaded adapter
-    engine: str = "hf"  # the generation backend that samples it (``rollout.backend``)
 
 
 def spec_kind(spec: str, env: type[Env], options: LMOptions | None = None) -> str:

@@ -14,7 +14,7 @@ import inspect
 from importlib import import_module
 from typing import Any
 
-from repertory.envs.base import Bot, Env, KeyMetric, RoundGame
+from repertory.envs.base import Bot, Env, IteratedGame, KeyMetric, RoundGame
 from repertory.envs.kernels import check_split, generate_kernels, kernels_of, write_kernels
 from repertory.envs.phased import PhasedGame
 from repertory.types import Kernel, Registry, RepertoryError
@@ -119,6 +119,7 @@ __all__ = [
     "Env",
     "KeyMetric",
     "PhasedGame",
+    "IteratedGame",
     "RoundGame",
     "env_class",
     "env_names",

@@ -2,7 +2,7 @@
 
 An environment is a text game with a referee (docs/environments.md 1.1): it shows each role only what
 that role may see, parses the tag syntax out of free text, never raises on bad output, and scores
-the game. Round-based social dilemmas share :class:`RoundGame`, which runs simultaneous moves,
+the game. Round-based social dilemmas share :class:`IteratedGame`, which runs simultaneous moves,
 proportional splits, feedback to the next round and per-round rewards ``points / Z``.
 """
 
@@ -342,7 +342,7 @@ def fmt(x: Fraction | float) -> str:
     return f"{value:.4f}".rstrip("0").rstrip(".")
 
 
-class RoundGame(Env):
+class IteratedGame(Env):
     """Two-player iterated game: simultaneous moves, feedback next round, reward points/Z per round.
 
     Subclasses define the per-round payoffs (``_resolve``), Z per role (``_z``) and the prompts.
@@ -439,3 +439,6 @@ class RoundGame(Env):
             paid = round_points
         rewards = {role: float(p / self._z(role)) for role, p in paid.items()}
         return StepResult(parsed, rewards, [event])
+
+
+RoundGame = IteratedGame  # its former name, kept so that users' games that subclass it still load

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, KeyMetric, RoundGame, StrategyFit, collective_payoff, other
+from repertory.envs.base import Bot, IteratedGame, KeyMetric, StrategyFit, collective_payoff, other
 from repertory.envs.parsing import clean, last_tag
 from repertory.types import Action, Episode, Parsed, StepResult, derive
 
@@ -78,7 +78,7 @@ def moves_of(episode: Episode, seat: int) -> tuple[str, str]:
     return own, theirs
 
 
-class IteratedPrisonersDilemma(RoundGame):
+class IteratedPrisonersDilemma(IteratedGame):
     name = "ipd"
     description = "Iterated Prisoner's Dilemma: 10 simultaneous rounds of A (cooperate) or B (defect)."
     roles = ("Alice", "Bob")

@@ -6,7 +6,7 @@ import random
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, KeyMetric, RoundGame, collective_payoff, fmt, other, proportional_split
+from repertory.envs.base import Bot, IteratedGame, KeyMetric, collective_payoff, fmt, other, proportional_split
 from repertory.envs.parsing import PayloadError, as_integer, clean, last_tag, parse_fields
 from repertory.types import Action, Parsed, StepResult
 
@@ -39,7 +39,7 @@ def _round_is_valid(a: dict[str, int], b: dict[str, int]) -> bool:
     return in_range and any(a[i] != b[i] for i in ITEMS) and sum(a[i] for i in ITEMS) == sum(b[i] for i in ITEMS)
 
 
-class SplitNoComm(RoundGame):
+class SplitNoComm(IteratedGame):
     name = "split-no-comm"
     description = "Split No-Comm: 10 rounds of dividing 10 hats, books and balls by simultaneous claims."
     roles = ("Alice", "Bob")

@@ -7,7 +7,7 @@ import re
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from repertory.envs.base import Bot, KeyMetric, RoundGame, collective_payoff, fmt, other, proportional_split
+from repertory.envs.base import Bot, IteratedGame, KeyMetric, collective_payoff, fmt, other, proportional_split
 from repertory.envs.parsing import PayloadError, as_integer, clean, last_tag, parse_fields
 from repertory.types import Action, Parsed, StepResult
 
@@ -62,7 +62,7 @@ def reciprocal(view: dict[str, Any]) -> str:
     return honest_cooperative(view)
 
 
-class TrustAndSplit(RoundGame):
+class TrustAndSplit(IteratedGame):
     name = "trust-and-split"
     description = "Trust-and-Split: message about private rock/paper/scissors hands, then split 10 coins."
     roles = ("Alice", "Bob")

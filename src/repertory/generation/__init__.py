@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from repertory.generation.core import Backend, Generation, GenerationStats, SamplingParams, TokenTrie
+from repertory.generation.core import (
+    SYNCED,
+    Backend,
+    Generation,
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    TokenTrie,
+)
 from repertory.models import LoadedModel
 from repertory.types import Registry, RepertoryError
 
@@ -66,8 +74,10 @@ def make_backend(kind: str, loaded: LoadedModel, **options: Any) -> Backend:
 
 __all__ = [
     "BACKENDS",
+    "SYNCED",
     "Backend",
     "Generation",
+    "GenerationRequest",
     "GenerationStats",
     "SamplingParams",
     "TokenTrie",

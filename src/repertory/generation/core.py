@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
 ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
@@ -78,6 +78,28 @@ Enough = Callable[[str], bool] | None
 SYNCED = object()  # a row without an adapter choice: the synced policy as it is (under LoRA, its active adapter)
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One row of a generation call: what :class:`Backend` samples one :class:`Generation` for.
+
+    ``seed`` alone drives the row's randomness (its tokens do not depend on the other rows of the call);
+    ``constraint`` restricts it to a trie of complete responses; ``cache_key`` names the kept prefix it reuses and
+    extends; ``enough(text)`` ends it early (finish "length") once more text would be wasted; ``adapter`` names
+    the policy version that samples it: SYNCED the synced policy as it is (under LoRA, its live adapter), None the
+    base with the adapters off, a str that LoRA adapter of the synced PEFT model."""
+
+    prompt_ids: Sequence[int]
+    seed: int
+    constraint: TokenTrie | None = None
+    cache_key: object = None
+    enough: Enough = None
+    adapter: object = SYNCED
+
+    def or_adapter(self, adapter: object) -> GenerationRequest:
+        """This request, sampled by ``adapter`` where it leaves the choice to the caller (SYNCED)."""
+        return replace(self, adapter=adapter) if self.adapter is SYNCED and adapter is not SYNCED else self
+
+
 class TokenizedChoices:
     """What both engines share over a tokenizer: text of response tokens, and cached tries of finite answer
     sets. A subclass sets ``tokenizer``, ``end_of_turn_id`` and ``_tries`` (an empty dict)."""
@@ -107,21 +129,13 @@ class TokenizedChoices:
 
 class Stream(Protocol):
     """Rows that join a running batch: ``add`` queues one and returns its ticket; ``step`` advances the batch and
-    returns the rows that finished, by ticket; ``busy`` while any is queued or in flight. A row's ``adapter``
-    (as in ``generate``) overrides the stream's; SYNCED keeps it."""
+    returns the rows that finished, by ticket; ``busy`` while any is queued or in flight. A request's ``adapter``
+    overrides the stream's; SYNCED keeps it."""
 
     @property
     def busy(self) -> bool: ...
 
-    def add(
-        self,
-        prompt: Sequence[int],
-        seed: int,
-        constraint: TokenTrie | None = None,
-        key: object = None,
-        enough: Callable[[str], bool] | None = None,
-        adapter: object = SYNCED,
-    ) -> int: ...
+    def add(self, request: GenerationRequest) -> int: ...
 
     def step(self) -> list[tuple[int, Generation]]: ...
 
@@ -131,35 +145,24 @@ class CallStream:
 
     def __init__(self, backend: Backend, params: SamplingParams, adapter: object = SYNCED):
         self.backend, self.params, self.adapter = backend, params, adapter
-        self._queued: list[tuple[int, Sequence[int], int, TokenTrie | None, object, Enough, object]] = []
+        self._queued: list[tuple[int, GenerationRequest]] = []
         self._tickets = 0
 
     @property
     def busy(self) -> bool:
         return bool(self._queued)
 
-    def add(
-        self,
-        prompt: Sequence[int],
-        seed: int,
-        constraint: TokenTrie | None = None,
-        key: object = None,
-        enough: Callable[[str], bool] | None = None,
-        adapter: object = SYNCED,
-    ) -> int:
+    def add(self, request: GenerationRequest) -> int:
         self._tickets += 1
-        chosen = self.adapter if adapter is SYNCED else adapter
-        self._queued.append((self._tickets, prompt, seed, constraint, key, enough, chosen))
+        self._queued.append((self._tickets, request.or_adapter(self.adapter)))
         return self._tickets
 
     def step(self) -> list[tuple[int, Generation]]:
         rows, self._queued = self._queued, []
         if not rows:
             return []
-        tickets, prompts, seeds, constraints, keys, enough, chosen = (list(x) for x in zip(*rows))
-        adapters = None if all(a is SYNCED for a in chosen) else chosen
-        generations = self.backend.generate(prompts, self.params, seeds, constraints, keys, enough, adapters)
-        return list(zip(tickets, generations))
+        tickets, requests = zip(*rows)
+        return list(zip(tickets, self.backend.generate(list(requests), self.params)))
 
 
 class ForwardPass(NamedTuple):
@@ -206,14 +209,10 @@ class GenerationStats:
 class Backend(Protocol):
     """A generation engine that samples a policy: what agents, trainers and benchmarks rely on.
 
-    ``generate`` samples one continuation per prompt (token ids in, token ids out, never re-rendered), row i
-    driven by ``seeds[i]`` alone (its tokens do not depend on the other rows of the call), restricted to
-    ``constraints[i]`` when given, reusing the kept prefix named ``cache_keys[i]``, ended early once
-    ``enough[i](text)``, sampled by the policy version ``adapters[i]`` names; each token's log-prob is
-    log softmax(logits / T) over the full vocabulary at the sampling temperature. Without ``adapters`` every
-    row samples the synced policy as it is (under LoRA, its live adapter); with them, a str names a LoRA
-    adapter of the synced PEFT model (``LoadedModel.peft``), None its base with the adapters off and SYNCED the
-    synced policy as it is; one call may mix them (hf: in each forward pass, every row through its own adapter).
+    ``generate`` samples one continuation per :class:`GenerationRequest`, in order (token ids in, token ids out,
+    never re-rendered), each as its request says; each token's log-prob is log softmax(logits / T) over the full
+    vocabulary at the sampling temperature. One call may mix adapters (hf: in each forward pass, every row
+    through its own adapter).
     ``stream`` is the same sampling for rows that arrive while others decode (continuous batching: the rollout
     engine sends a seat's next request as soon as its episode steps), with the same per-row guarantees.
     ``sync`` makes the engine sample from the learner's current weights after an update (and wakes an
@@ -225,16 +224,7 @@ class Backend(Protocol):
     stats: GenerationStats
     version: int  # the policy version it samples: 0 at the start, one more at each sync (turns record it)
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        seeds: Sequence[int],
-        constraints: Sequence[TokenTrie | None] | None = None,
-        cache_keys: Sequence[object] | None = None,
-        enough: Sequence[Callable[[str], bool] | None] | None = None,
-        adapters: Sequence[str | None] | None = None,
-    ) -> list[Generation]: ...
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 

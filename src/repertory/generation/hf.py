@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from repertory.generation.core import (
     SYNCED,
     Generation,
+    GenerationRequest,
     GenerationStats,
     SamplingParams,
     TokenizedChoices,
@@ -157,32 +158,11 @@ class HFBackend(TokenizedChoices):
             self._pages.reclaim = self.prefixes.evict_one
         return self._pages
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        seeds: Sequence[int],
-        constraints: Sequence[TokenTrie | None] | None = None,
-        cache_keys: Sequence[object] | None = None,
-        enough: Sequence[Callable[[str], bool] | None] | None = None,
-        adapters: Sequence[str | None] | None = None,
-    ) -> list[Generation]:
-        """Sample one continuation per prompt, in order; ``seeds[i]`` drives row i's randomness,
-        ``constraints[i]`` restricts it to a trie, ``cache_keys[i]`` names it for prefix reuse,
-        ``enough[i](text)`` ends it early (finish "length") once more text would be wasted, and
-        ``adapters[i]`` picks the LoRA adapter (None: adapters off) that samples it."""
-        if len(seeds) != len(prompts):
-            raise ValueError("one seed per prompt is required")
-        constraints = list(constraints) if constraints is not None else [None] * len(prompts)
-        keys = list(cache_keys) if cache_keys is not None else [None] * len(prompts)
-        enough = list(enough) if enough is not None else [None] * len(prompts)
-        chosen = list(adapters) if adapters is not None else [SYNCED] * len(prompts)
-        out: list[Generation | None] = [None] * len(prompts)
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per request, in order (see :class:`GenerationRequest`)."""
+        out: list[Generation | None] = [None] * len(requests)
         stream = self.stream(params)
-        index = {
-            stream.add(prompts[i], seeds[i], constraints[i], keys[i], enough[i], chosen[i]): i
-            for i in _join_order(prompts, keys)
-        }
+        index = {stream.add(requests[i]): i for i in _join_order(requests)}
         while stream.busy:
             for ticket, generation in stream.step():
                 out[index[ticket]] = generation
@@ -369,17 +349,19 @@ class HFBackend(TokenizedChoices):
         return chosen, logp_full.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
 
-def _join_order(prompts: Sequence[Sequence[int]], keys: Sequence[object]) -> list[int]:
+def _join_order(requests: Sequence[GenerationRequest]) -> list[int]:
     """Shortest prompts first (less padding), the rows of one cache key side by side (so that they join together
     and share their prefix): each key's rows at the place of its shortest one."""
+    lengths = [len(r.prompt_ids) for r in requests]
+    keys = [r.cache_key for r in requests]
     group: dict[object, tuple[int, int]] = {}  # key -> (its shortest prompt, its first row)
     for i, key in enumerate(keys):
         if key is not None:
-            shortest, first = group.get(key, (len(prompts[i]), i))
-            group[key] = (min(shortest, len(prompts[i])), first)
+            shortest, first = group.get(key, (lengths[i], i))
+            group[key] = (min(shortest, lengths[i]), first)
     return sorted(
-        range(len(prompts)),
-        key=lambda i: (*(group[keys[i]] if keys[i] is not None else (len(prompts[i]), i)), len(prompts[i])),
+        range(len(requests)),
+        key=lambda i: (*(group[keys[i]] if keys[i] is not None else (lengths[i], i)), lengths[i]),
     )
 
 

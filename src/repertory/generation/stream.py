@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import DynamicCache
 
-from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, SamplingParams, TokenTrie
+from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, SamplingParams, TokenTrie
 from repertory.generation.kvcache import (
     PAGE,
     Hit,
@@ -139,17 +139,9 @@ class DecodeStream:
     def _live(self) -> bool:
         return any(not r.done for r in self.rows)
 
-    def add(
-        self,
-        prompt: Sequence[int],
-        seed: int,
-        constraint: TokenTrie | None = None,
-        key: object = None,
-        enough: Callable[[str], bool] | None = None,
-        adapter: object = SYNCED,
-    ) -> int:
-        """Queue a row (see ``HFBackend.generate`` for the arguments; ``adapter`` SYNCED: the stream's); its
-        ticket names it in ``step``'s results."""
+    def add(self, request: GenerationRequest) -> int:
+        """Queue a row (its adapter SYNCED: the stream's); its ticket names it in ``step``'s results."""
+        prompt, constraint = request.prompt_ids, request.constraint
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
         need = self._need_alone(len(prompt) + budget)
         if need > self.backend.budget_tokens:
@@ -159,9 +151,13 @@ class DecodeStream:
                 f"{budget} to generate{self._rounding}); raise kv_memory_mb or lower max_new_tokens"
             )
         self._tickets += 1
-        rng = torch.Generator().manual_seed(seed % 2**63)
-        chosen = self.adapter if adapter is SYNCED else adapter
-        self.waiting.append(Row(self._tickets, list(prompt), rng, constraint, key, enough, budget, adapter=chosen))
+        rng = torch.Generator().manual_seed(request.seed % 2**63)
+        adapter = request.or_adapter(self.adapter).adapter
+        self.waiting.append(
+            Row(
+                self._tickets, list(prompt), rng, constraint, request.cache_key, request.enough, budget, adapter=adapter
+            )
+        )
         return self._tickets
 
     @torch.no_grad()

@@ -56,6 +56,7 @@ from repertory.generation.core import (
     ENOUGH_EVERY,
     SYNCED,
     Generation,
+    GenerationRequest,
     GenerationStats,
     SamplingParams,
     TokenizedChoices,
@@ -235,33 +236,20 @@ class VLLMBackend(TokenizedChoices):
         except TypeError as error:  # an argument vLLM does not know
             raise RepertoryError(f"rollout.engine_args: vLLM refused the engine's arguments: {error}") from error
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        seeds: Sequence[int],
-        constraints: Sequence[TokenTrie | None] | None = None,
-        cache_keys: Sequence[object] | None = None,
-        enough: Sequence[Callable[[str], bool] | None] | None = None,
-        adapters: Sequence[str | None] | None = None,
-    ) -> list[Generation]:
-        """Sample one continuation per prompt: one engine pass, one per policy version in merged mode (see
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per request: one engine pass, one per policy version in merged mode (see
         :class:`repertory.generation.Backend`)."""
-        if len(seeds) != len(prompts):
-            raise ValueError("one seed per prompt is required")
         self._wake()
-        n = len(prompts)
-        constraints = list(constraints) if constraints is not None else [None] * n
-        enough = list(enough) if enough is not None else [None] * n
+        prompts = [r.prompt_ids for r in requests]
         temperature = params.temperature if params.temperature > 0 else 1.0
-        keys = [f"{id(self)}-{next(self._rows)}" for _ in range(n)]
-        rows = [_Row(temperature, constraints[i], enough[i], self.decode, self.end_of_turn_id) for i in range(n)]
+        keys = [f"{id(self)}-{next(self._rows)}" for _ in requests]
+        rows = [_Row(temperature, r.constraint, r.enough, self.decode, self.end_of_turn_id) for r in requests]
         _ROWS.update(zip(keys, rows))
         try:
-            requests = [self._request(params, seed, key) for seed, key in zip(seeds, keys)]
-            names = [self._adapter(a) for a in (adapters if adapters is not None else [SYNCED] * n)]
+            sampling = [self._sampling_params(params, r.seed, key) for r, key in zip(requests, keys)]
+            names = [self._adapter(r.adapter) for r in requests]
             merged = self.peft is not None and self.lora_mode == "merged"
-            outputs = (self._generate_merged if merged else self._generate_requests)(prompts, requests, names)
+            outputs = (self._generate_merged if merged else self._generate_requests)(prompts, sampling, names)
         finally:
             for key in keys:
                 _ROWS.pop(key, None)
@@ -281,7 +269,7 @@ class VLLMBackend(TokenizedChoices):
         self.stats.calls += 1
         return results
 
-    def _request(self, params: SamplingParams, seed: int, key: str) -> VLLMSamplingParams:
+    def _sampling_params(self, params: SamplingParams, seed: int, key: str) -> VLLMSamplingParams:
         return VLLMSamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from repertory.envs.parsing import clean
-from repertory.generation import Backend, Generation, SamplingParams
+from repertory.generation import SYNCED, Backend, Generation, GenerationRequest, SamplingParams
 from repertory.serve.protocol import ServeError, cut_at_stop
 from repertory.store.served import ServedLog, ServedTurn
 
@@ -45,6 +45,12 @@ class Job:
         if self.on_text is not None:
             self.on_text(text)
         return self.max_chars is not None and len(clean(text, self.max_chars + 1)) > self.max_chars
+
+    def request(self, adapter: str | None) -> GenerationRequest:
+        """The backend's row for this job, sampled by ``adapter`` (None: the backend's synced policy)."""
+        return GenerationRequest(
+            self.prompt_ids, self.seed, cache_key=self.cache_key, enough=self.enough, adapter=adapter or SYNCED
+        )
 
 
 class Batcher:
@@ -114,15 +120,7 @@ class Batcher:
         done: list[tuple[Job, Generation]] = []
         for params, group in groups.items():
             try:
-                generations = self.backend.generate(
-                    [j.prompt_ids for j in group],
-                    params,
-                    [j.seed for j in group],
-                    None,
-                    [j.cache_key for j in group],
-                    [j.enough for j in group],
-                    **({"adapters": [self.adapter] * len(group)} if self.adapter is not None else {}),
-                )
+                generations = self.backend.generate([j.request(self.adapter) for j in group], params)
             except Exception as exc:  # one bad batch fails its requests, never the server
                 log.exception("generation failed")
                 for job in group:

@@ -37,7 +37,7 @@ from repertory.train import distributed
 from repertory.train.batch import Batch
 from repertory.train.learner import Learner
 from repertory.train.learner_state import load_learner, save_learner
-from repertory.train.lineup import LineUp, Policy
+from repertory.train.lineup import LineUp
 from repertory.train.methods import build_method
 from repertory.train.rollouts import Rollouts
 from repertory.train.sharding import OPTIMIZER_SHARDS, check_shards
@@ -80,11 +80,10 @@ class Trainer:
         engine_args = engine_options(config.rollout.backend, config.rollout.engine_args, precision)
         self.backend = make_backend(config.rollout.backend, model, **engine_args)
         self.judge = make_judge(config.judge, config.model.device)
-        policy = Policy(self.learner, model, self.backend)
-        self.lineup = LineUp.build(config, policy, self.method, run_dir)
+        self.lineup = LineUp.build(config, self.learner, self.backend, self.method, run_dir)
         # Rollouts are judged only where the reward needs it; evaluations report the judge's scores regardless.
         needs_judge = make(config.rollout.env, **config.rollout.env_options).needs_judge
-        self.rollouts = Rollouts(config, self.lineup, policy, engine_args, self.judge if needs_judge else None, run_dir)
+        self.rollouts = Rollouts(config, self.lineup, engine_args, self.judge if needs_judge else None, run_dir)
         self.iteration = 0
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:

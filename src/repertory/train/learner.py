@@ -12,6 +12,7 @@ reproduces the unsplit gradient.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,26 +162,26 @@ class Learner:
         self.role_steps = RoleSteps(self.peft) if roles is not None else OneAdapter()
         self.reference_adapter: str | None = None
         self.round_reference: nn.Module | None = None
-        self.value: ValueModel | None = None
+        self.critic: ValueModel | None = None
         self.critic_peft = None
         if needs_critic:
             if critic_base is None:
-                self.value = ValueModel(base.get_decoder(), hidden).to(self.device)
+                self.critic = ValueModel(base.get_decoder(), hidden).to(self.device)
             else:
                 if lora.enabled:
                     self.critic_peft = with_lora(critic_base, lora, derive(seed, "lora", "critic"))
                 else:
                     critic_base.requires_grad_(True)
-                self.value = ValueModel(critic_base.get_decoder(), hidden).to(self.device)
+                self.critic = ValueModel(critic_base.get_decoder(), hidden).to(self.device)
         self.scorer = Scorer(base)
         self.reference_scorer = Scorer(self.reference) if self.reference is not None else None
-        self.shared_critic = self.value is not None and critic.share_backbone
+        self.shared_critic = self.critic is not None and critic.share_backbone
         self.optimizer_shards = sharding == "fsdp"
         self.sharded = Unsharded()
         if self.optimizer_shards and distributed.world_size() > 1:
             self.sharded = Sharded([s for s in (self.scorer, self.reference_scorer) if s is not None])
         self.policy_params = [p for p in base.parameters() if p.requires_grad]  # sharded ones: the optimiser's
-        groups = _param_groups(self.policy_params, self.value, critic, algo.lr)
+        groups = _param_groups(self.policy_params, self.critic, critic, algo.lr)
         self.optimizer = torch.optim.AdamW(groups, weight_decay=algo.weight_decay)
         if self.sharded.active:
             self.sharded.gather()
@@ -192,8 +193,8 @@ class Learner:
     def stateful(self) -> nn.Module:
         """A module holding every parameter the optimiser steps, by which its sharded state is named."""
         modules = {"policy": self.scorer}
-        if self.value is not None:
-            modules["value"] = self.value.head
+        if self.critic is not None:
+            modules["value"] = self.critic.head
         return nn.ModuleDict(modules)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -201,10 +202,6 @@ class Learner:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # forward passes
-
-    def _micro_batches(self, sequences: list[PackedSequence]) -> list[list[PackedSequence]]:
-        groups = token_batches([len(s.input_ids) for s in sequences], self.algo.micro_batch_tokens)
-        return [[sequences[i] for i in group] for group in groups]
 
     def _forward(
         self,
@@ -255,12 +252,12 @@ class Learner:
         if entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
                 ents = _split(losses.entropy_from_logits(logits), owners)
-        if values and self.value is not None and not reference:
+        if values and self.critic is not None and not reference:
             if self.shared_critic:
                 value_hidden = picked
             else:
-                value_hidden = self.value.backbone(**inputs).last_hidden_state[row_t, col_t]
-            vals = _split(self.value.head(value_hidden.float()).squeeze(-1), owners)
+                value_hidden = self.critic.backbone(**inputs).last_hidden_state[row_t, col_t]
+            vals = _split(self.critic.head(value_hidden.float()).squeeze(-1), owners)
         return _Scored(logp, vals, ents)
 
     def freeze_reference(self) -> None:
@@ -285,7 +282,7 @@ class Learner:
         """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference."""
         samples, sequences = _pair_sequences(pairs)
         out: dict[int, torch.Tensor] = {}
-        for micro in self._micro_batches(sequences):
+        for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             out.update(self._forward(micro, samples, reference=reference).logp)
         return [out[i] for i in range(len(pairs))]
 
@@ -299,7 +296,7 @@ class Learner:
         the summed loss; call :meth:`optimizer_step` after."""
         samples, sequences = _pair_sequences(pairs)
         total = 0.0
-        for micro in self._micro_batches(sequences):
+        for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             logp = self._forward(micro, samples).logp
             indices = [index for seq in micro for index, _ in seq.spans]
             loss = loss_of(indices, [logp[i] for i in indices])
@@ -320,16 +317,19 @@ class Learner:
         """Give every trained sample its :class:`Experience`: the learner's and the reference's log-probs, the
         rollout correction and (with a critic) values; returns the sampler-learner mismatch over the tokens the
         sampler recorded. ``version``: the policy version this learner holds (the trainer's updates so far).
-        Where the sampler is exact and every sample was drawn from that version (:meth:`_reuses_sampler`), the
+        Where the sampler is exact and every sample was drawn from that version (:func:`_reuses_sampler`), the
         sampler's log-probs are the old policy's: the policy scores the first micro-batch only, to measure the
         gap, and the rest when that gap is above the exact path's float noise (``REUSED_GAP_TOL``)."""
-        micros = self._micro_batches(batch.sequences)
+        micros = micro_batches(batch.sequences, self.algo.micro_batch_tokens)
         recorded = {
             i: torch.tensor(s.logp_sample, device=self.device)
             for i, s in enumerate(batch.samples)
             if s.trained and s.logp_sample and len(s.logp_sample) == len(s.response_ids)
         }
-        reuse = self._reuses_sampler(batch, version, recorded)
+        # the sampler stands for the old policy only where nothing else needs the pass: no correction to compute,
+        # no critic (its values come from the same pass), one process
+        exact = self.correction == "none" and self.critic is None and distributed.world_size() == 1
+        reuse = exact and _reuses_sampler(batch, version, recorded)
         with self.sharded.sharded(), learner_precision(self.precision):
             logp, values = self._scores(batch, micros[:1] if reuse else micros)
             if reuse and _mismatch(logp, recorded).get("offpolicy/max_gap", 0.0) > REUSED_GAP_TOL:
@@ -352,15 +352,6 @@ class Learner:
         metrics["offpolicy/weight_mean"] = float(weights.mean())
         metrics["offpolicy/rescored_frac"] = scored / max(1, sum(len(t) for t in logp_ref.values()))
         return metrics
-
-    def _reuses_sampler(self, batch: Batch, version: int | None, recorded: dict[int, torch.Tensor]) -> bool:
-        """Whether the sampler's log-probs can stand for the old policy's: an exact sampler (no correction), no
-        critic (its values come from the same pass), one process, and every trained sample ``recorded`` in full
-        by policy ``version``."""
-        if version is None or self.correction != "none" or self.value is not None or distributed.world_size() > 1:
-            return False
-        trained = [i for i, s in enumerate(batch.samples) if s.trained]
-        return bool(trained) and all(i in recorded and batch.samples[i].policy_version == version for i in trained)
 
     def _scores(
         self, batch: Batch, micros: list[list[PackedSequence]], reference: bool = False
@@ -409,10 +400,10 @@ class Learner:
             for m in range(n_mini):
                 mini = [batch.sequences[i] for i in order[m::n_mini]]
                 # one decision for every process (each computed it from its own scoring pass)
-                if steps == 0 and distributed.broadcast(self._flat(mini, batch)):
+                if steps == 0 and distributed.broadcast(_flat(self.algo, self.critic is not None, mini, batch)):
                     skipped += 1
                     continue
-                idle = self.role_steps.idle(mini, batch, self._flat)
+                idle = self.role_steps.idle(mini, batch, functools.partial(_flat, self.algo, self.critic is not None))
                 stats = self._step(mini, batch, idle)
                 self.role_steps.stepped(mini, batch, idle)
                 for key, value in stats.items():
@@ -433,21 +424,6 @@ class Learner:
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         return sum(t.numel() * t.element_size() for t in local)
 
-    def _flat(self, mini: list[PackedSequence], batch: Batch) -> bool:
-        """Whether a step of the still-unchanged (scored) policy has a zero gradient: every advantage is 0, no
-        entropy or value term, and the policy equals its KL reference on these tokens. Such a step is skipped:
-        its computed gradient is float noise, which AdamW would turn into a full learning-rate step."""
-        algo = self.algo
-        if algo.entropy_coef > 0 or (batch.has_returns and self.value is not None):
-            return False
-        mine = [batch.experience[index] for seq in mini for index, _ in seq.spans]
-        if any(bool(x.advantages.any()) for x in mine):  # type: ignore[union-attr]
-            return False
-        if algo.kl_mode != "loss" or algo.beta_kl == 0:
-            return True
-        tolerance = FLAT_LOGP_TOL + batch.old_gap
-        return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=tolerance) for x in mine)
-
     def _step(self, mini: list[PackedSequence], batch: Batch, idle: set[str] | None = None) -> dict[str, float]:
         algo = self.algo
         order = [index for seq in mini for index, _ in seq.spans]
@@ -460,7 +436,7 @@ class Learner:
         sums = {"loss/policy": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "loss/value": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         # data-parallel: each process takes its share of the micro-batches; the summed gradients are the whole's
-        micros = self._micro_batches(mini)
+        micros = micro_batches(mini, self.algo.micro_batch_tokens)
         mine = micros[distributed.rank() :: distributed.world_size()]
         for _ in range(self.sharded.idle_passes(len(micros), len(mine))):
             # a pass that adds nothing to the gradients, so that every process's collectives are matched
@@ -487,7 +463,7 @@ class Learner:
     ) -> tuple[losses.TokenTerms, losses.ValueTerms | None]:
         """One micro-batch scored now, aligned token by token with what its samples recorded at scoring."""
         adapters = self.role_steps.of(micro, batch)
-        scored = self._forward(micro, batch.samples, values=self.value is not None, entropy=True, adapters=adapters)
+        scored = self._forward(micro, batch.samples, values=self.critic is not None, entropy=True, adapters=adapters)
         idx = [index for seq in micro for index, _ in seq.spans]
         recorded = [batch.experience[i] for i in idx]
         logp = torch.cat([scored.logp[i] for i in idx])
@@ -500,7 +476,7 @@ class Learner:
             torch.cat([x.correction for x in recorded]),
             torch.cat([scored.entropy[i] for i in idx]),
         )
-        if self.value is None or not batch.has_returns:
+        if self.critic is None or not batch.has_returns:
             return tokens, None
         values = torch.cat([scored.values[i] for i in idx])
         returns = torch.cat([x.returns for x in recorded]).to(self.device, values.dtype)  # type: ignore[misc]
@@ -541,3 +517,33 @@ def _mismatch(logp: dict[int, torch.Tensor], recorded: dict[int, torch.Tensor]) 
     if not both:
         return {}
     return losses.sampler_mismatch(torch.cat([logp[i] for i in both]), torch.cat([recorded[i] for i in both]))
+
+
+def micro_batches(sequences: list[PackedSequence], tokens: int) -> list[list[PackedSequence]]:
+    """``sequences`` in groups of at most ``tokens`` tokens (``algo.micro_batch_tokens``), one forward pass each."""
+    groups = token_batches([len(s.input_ids) for s in sequences], tokens)
+    return [[sequences[i] for i in group] for group in groups]
+
+
+def _reuses_sampler(batch: Batch, version: int | None, recorded: dict[int, torch.Tensor]) -> bool:
+    """Whether, for an exact sampler, its log-probs can stand for the old policy's: every trained sample
+    ``recorded`` in full by policy ``version``."""
+    if version is None:
+        return False
+    trained = [i for i, s in enumerate(batch.samples) if s.trained]
+    return bool(trained) and all(i in recorded and batch.samples[i].policy_version == version for i in trained)
+
+
+def _flat(algo: AlgoConfig, has_critic: bool, mini: list[PackedSequence], batch: Batch) -> bool:
+    """Whether a step of the still-unchanged (scored) policy has a zero gradient: every advantage is 0, no
+    entropy or value term, and the policy equals its KL reference on these tokens. Such a step is skipped:
+    its computed gradient is float noise, which AdamW would turn into a full learning-rate step."""
+    if algo.entropy_coef > 0 or (batch.has_returns and has_critic):
+        return False
+    mine = [batch.experience[index] for seq in mini for index, _ in seq.spans]
+    if any(bool(x.advantages.any()) for x in mine):  # type: ignore[union-attr]
+        return False
+    if algo.kl_mode != "loss" or algo.beta_kl == 0:
+        return True
+    tolerance = FLAT_LOGP_TOL + batch.old_gap
+    return all(torch.allclose(x.logp_old, x.logp_ref, rtol=0, atol=tolerance) for x in mine)

@@ -40,10 +40,10 @@ def save_learner(learner: Learner, directory: Path) -> None:
     else:
         learner.model.save_pretrained(str(directory / "policy"), safe_serialization=True, state_dict=gathered)
         learner.tokenizer.save_pretrained(str(directory / "policy"))
-    if learner.value is not None:
-        save_file(_contiguous(learner.value.head.state_dict()), str(directory / "value_head.safetensors"))
+    if learner.critic is not None:
+        save_file(_contiguous(learner.critic.head.state_dict()), str(directory / "value_head.safetensors"))
         if not learner.shared_critic:
-            critic = learner.critic_peft if learner.critic_peft is not None else learner.value.backbone
+            critic = learner.critic_peft if learner.critic_peft is not None else learner.critic.backbone
             tensors = get_peft_model_state_dict(critic) if learner.critic_peft is not None else critic.state_dict()
             save_file(_contiguous(tensors), str(directory / "critic.safetensors"))
     state = {"scheduler": learner.scheduler.state_dict()}
@@ -64,14 +64,14 @@ def load_learner(learner: Learner, directory: Path) -> None:
         _load_policy(learner, directory / "policy")
         if learner.optimizer_shards and state["optimizer_stepped"]:
             load_optimizer(learner.stateful(), learner.optimizer, directory / OPTIMIZER_SHARDS)
-    if learner.value is not None:
-        learner.value.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
+    if learner.critic is not None:
+        learner.critic.head.load_state_dict(load_file(str(directory / "value_head.safetensors")))
         if not learner.shared_critic:
             tensors = load_file(str(directory / "critic.safetensors"))
             if learner.critic_peft is not None:
                 set_peft_model_state_dict(learner.critic_peft, tensors)
             else:
-                learner.value.backbone.load_state_dict(tensors)
+                learner.critic.backbone.load_state_dict(tensors)
     if not learner.optimizer_shards:
         learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])

@@ -8,8 +8,9 @@ import random
 from dataclasses import dataclass
 
 from repertory.agents import Agent, LMOptions
+from repertory.agents.live import LIVE, LivePolicy
 from repertory.agents.lm import LMAgent
-from repertory.agents.resolve import LivePolicy, make_agent
+from repertory.agents.resolve import make_agent
 from repertory.config import TrainConfig
 from repertory.envs import Env, env_class, load_kernels
 from repertory.envs.roles import RoleAdapters
@@ -21,17 +22,6 @@ from repertory.train.learner import Learner
 from repertory.train.methods import Method
 from repertory.train.pool import OpponentPool
 from repertory.types import Kernel, RepertoryError, derive
-from repertory.workers import LIVE
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The live policy's three faces: the learner that trains it, the model it is (LoRA injected), the backend
-    that samples it."""
-
-    learner: Learner
-    loaded: LoadedModel
-    backend: Backend
 
 
 @dataclass
@@ -41,7 +31,6 @@ class LineUp:
 
     config: TrainConfig
     env: type[Env]
-    live: LMAgent
     live_policy: LivePolicy
     opponent: Agent | None
     eval_opponent: Agent | None
@@ -49,30 +38,37 @@ class LineUp:
     pool: OpponentPool | None = None
 
     @classmethod
-    def build(cls, config: TrainConfig, policy: Policy, method: Method, run_dir: RunDir) -> LineUp:
-        """The line-up ``config`` names around the live ``policy``."""
-        learner, backend, loaded = policy.learner, policy.backend, policy.loaded
+    def build(cls, config: TrainConfig, learner: Learner, backend: Backend, method: Method, run_dir: RunDir) -> LineUp:
+        """The line-up ``config`` names around the live policy: the one ``learner`` trains and ``backend``
+        samples."""
         env = env_class(config.rollout.env)
         roles = RoleAdapters.of(config.rollout.env, config.model.adapters)
         params = SamplingParams(config.rollout.temperature, 1.0, config.rollout.max_new_tokens)
-        seed = derive(config.seed, "sampler")
-        live = LMAgent(backend, "live", params, config.rollout.constrained, seed, policy_id="live", roles=roles)
-        # rollout.opponent pool: the method's own opponents (the config allows it for adalign only)
-        pool = method.opponents(learner.peft, run_dir, live) if config.rollout.opponent == "pool" else None
-        reference = learner.reference
+        live = LMAgent(
+            backend, LIVE, params, config.rollout.constrained, derive(config.seed, "sampler"), LIVE, roles=roles
+        )
+        tokenizer, name, reference = backend.tokenizer, backend.name, learner.reference
         live_policy = LivePolicy(
             live,
-            learner.peft,
-            LoadedModel(reference, loaded.tokenizer, loaded.name) if reference is not None else None,
-            pool.load if pool is not None else None,
-            config.rollout.backend,
+            LoadedModel(learner.model, tokenizer, name, learner.peft),
+            LoadedModel(reference, tokenizer, name) if reference is not None else None,
+            engine=config.rollout.backend,
         )
+        # rollout.opponent pool: the method's own opponents (the config allows it for adalign only)
+        pool = method.opponents(learner.peft, run_dir, live) if config.rollout.opponent == "pool" else None
+        if pool is not None:
+            live_policy.load_snapshot = pool.load
         kernels = load_kernels(config.rollout.env, "train", config.rollout.env_options)
-        line_up = cls(config, env, live, live_policy, None, None, kernels, pool)
+        line_up = cls(config, env, live_policy, None, None, kernels, pool)
         line_up.opponent = line_up.agent(config.rollout.opponent)
         if config.eval.episodes:
             line_up.eval_opponent = line_up.evaluation_agent()
         return line_up
+
+    @property
+    def live(self) -> LMAgent:
+        """The live policy's agent."""
+        return self.live_policy.agent
 
     def options(self) -> LMOptions:
         """How the line-up's other language models sample."""

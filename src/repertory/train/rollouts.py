@@ -8,35 +8,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-from peft import get_peft_model_state_dict
-
-from repertory.agents.lm import LIVE_ADAPTER
+from repertory.agents.live import LiveSource
 from repertory.config import TrainConfig
-from repertory.models import base_weights
 from repertory.rollout import EpisodeSpec, run_episodes
 from repertory.runs import RunDir
 from repertory.train import distributed
-from repertory.train.lineup import LineUp, Policy
+from repertory.train.lineup import LineUp
 from repertory.train.pipeline import AsyncRollouts, Played, Sampler, staleness_metrics
 from repertory.types import Episode, Judge
-from repertory.workers import ActorSampler, LiveSource, LocalSampler, RolloutActors, RolloutWorker
+from repertory.workers import ActorSampler, LocalSampler, RolloutActors, RolloutWorker
 
 
 class Rollouts:
-    """Plays the line-up's episodes with the live ``policy``; ``judge`` scores them where the game's reward needs
-    one. Workers and the pipeline start at their first use and end at :meth:`close`."""
+    """Plays the line-up's episodes; ``judge`` scores them where the game's reward needs one. A sampler of its own
+    builds its engine with ``engine_args``. Workers and the pipeline start at their first use and end at
+    :meth:`close`."""
 
     def __init__(
-        self,
-        config: TrainConfig,
-        lineup: LineUp,
-        policy: Policy,
-        engine_args: dict[str, Any],
-        judge: Judge | None,
-        run_dir: RunDir,
+        self, config: TrainConfig, lineup: LineUp, engine_args: dict[str, Any], judge: Judge | None, run_dir: RunDir
     ):
-        self.config, self.lineup, self.policy = config, lineup, policy
+        self.config, self.lineup = config, lineup
+        self.live = lineup.live_policy
         self.engine_args, self.judge, self.run_dir = engine_args, judge, run_dir
         self.workers: RolloutActors | None = None  # built at the first sharded rollout
         self.pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: built at the first iteration
@@ -45,7 +37,7 @@ class Rollouts:
     def of_iteration(self, iteration: int) -> tuple[list[Episode], dict[str, float]]:
         """The iteration's episodes and their rollout metrics: played now by the current policy, or (with
         ``rollout.max_staleness``) taken from the pipeline that played them ahead."""
-        backend = self.policy.backend
+        backend = self.live.agent.backend
         if not self.config.rollout.max_staleness:
             start = time.perf_counter()
             generated_before = backend.stats.generated_tokens
@@ -88,20 +80,20 @@ class Rollouts:
                 self.config.rollout.max_staleness,
                 start=iteration,
                 stop=self.config.iterations,
-                version=self.policy.backend.version,
-                weights=self._live_weights(),
+                version=self.live.agent.backend.version,
+                weights=self.live.weights(),
             )
         return self.pipeline.take(iteration)
 
     def publish(self, iteration: int) -> None:
         """After an update: the backend, and every sampler of its own, sample the learner's current weights from
         ``iteration`` on (the pipeline sends them when that iteration is due)."""
-        backend = self.policy.backend
-        backend.sync(self.policy.learner.model)
+        backend = self.live.agent.backend
+        backend.sync(self.live.loaded.model)
         if self.pipeline is not None:
-            self.pipeline.publish(iteration, backend.version, self._live_weights())
+            self.pipeline.publish(iteration, backend.version, self.live.weights())
         elif self.workers is not None:
-            self.workers.publish(backend.version, self._live_weights())
+            self.workers.publish(backend.version, self.live.weights())
 
     def close(self) -> None:
         """End the asynchronous pipeline and the rollout workers, if any."""
@@ -129,30 +121,6 @@ class Rollouts:
         worker = RolloutWorker(rollout.env, self.lineup.options(), self.live_source())
         return LocalSampler(worker, self.lineup.spec_of, rollout.max_concurrent, rollout.schedule)
 
-    def _live_weights(self) -> dict[str, torch.Tensor]:
-        """What changes with an update: the live adapter under LoRA, the whole model otherwise."""
-        learner = self.policy.learner
-        if learner.peft is not None:
-            return get_peft_model_state_dict(learner.peft, adapter_name=LIVE_ADAPTER)
-        return learner.model.state_dict()
-
     def live_source(self) -> LiveSource:
-        """Everything a sampler of its own needs to rebuild the live policy: base and live weights, sampling."""
-        learner, loaded, live = self.policy.learner, self.policy.loaded, self.lineup.live
-        peft, reference = learner.peft, learner.reference
-        base = base_weights(loaded) if peft is not None else reference.state_dict()  # type: ignore[union-attr]
-        return LiveSource(
-            model_config=learner.model.config,
-            tokenizer=loaded.tokenizer,
-            name=loaded.name,
-            base={k: v.detach().cpu() for k, v in base.items()},
-            live={k: v.detach().cpu() for k, v in self._live_weights().items()},
-            lora=peft.peft_config[LIVE_ADAPTER] if peft is not None else None,
-            version=self.policy.backend.version,
-            params=live.params,
-            constrained=live.constrained,
-            seed=live.seed,
-            engine=self.config.rollout.backend,
-            engine_args=self.engine_args,
-            pool_run=self.run_dir if self.lineup.pool is not None else None,
-        )
+        """The live policy as a sampler of its own rebuilds it."""
+        return self.live.portable(self.engine_args, self.run_dir if self.lineup.pool is not None else None)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from repertory.config import METHOD_CONFIGS, AlgoConfig, CriticConfig, MethodConfig, method_kind, register_method_config
 from repertory.envs import Env
 from repertory.envs.replay import replay
-from repertory.generation import Backend, Generation, SamplingParams, TokenTrie
+from repertory.generation import Backend, Generation, GenerationRequest, SamplingParams, TokenTrie
 from repertory.models import LoadedModel
 from repertory.runs import RunDir
 from repertory.store import read_episodes
@@ -119,10 +119,12 @@ class RoundContext:
         replayed = [
             replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
         ]
-        prompts = [x.prompt_ids for x in states for _ in range(n)]
-        seeds = [derive(self.seed, *key, x.episode_id, x.t, c, "sample") for x in states for c in range(n)]
-        constraints = [self._constraint(state) for state in replayed for _ in range(n)]
-        return self.backend.generate(prompts, self.params, seeds, constraints), replayed
+        rows = [
+            GenerationRequest(x.prompt_ids, derive(self.seed, *key, x.episode_id, x.t, c, "sample"), constraint)
+            for x, constraint in zip(states, map(self._constraint, replayed))
+            for c in range(n)
+        ]
+        return self.backend.generate(rows, self.params), replayed
 
     def _constraint(self, state: tuple[Env, str] | None) -> TokenTrie | None:
         """Candidates are sampled as the policy was deployed: constrained to the state's valid actions where

@@ -50,7 +50,7 @@ class IGRPO(RoundMethod):
     def improve(
         self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
     ) -> dict[str, float]:
-        metrics = self.fit(ctx, round_index, turns)
+        metrics = self.train_q(ctx, round_index, turns)
         config, n = self.config, self.config.candidates
         sums: dict[str, float] = {}
         steps = gated = candidates = 0
@@ -99,7 +99,7 @@ class IGRPO(RoundMethod):
         metrics["igrpo/gated_rate"] = gated / candidates if candidates else 0.0
         return metrics
 
-    def fit(self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn]) -> dict[str, float]:
+    def train_q(self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn]) -> dict[str, float]:
         """Fit Q on the round's turns (or every round's, ``q.data``), warm from the last round after round 0."""
         q = self.config.q
         data = turns if q.data == "round" else ctx.history(round_index, turns, {})[0]
