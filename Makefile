@@ -29,7 +29,9 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 $(CHROMIUM):
 	$(SUDO) apt-get install -y -q chromium > /dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium)
 
+# Two pytest-xdist workers, a file each at a time (so a module's fixtures are built once), one core each
+# (tests/conftest.py): the suite in 0.58x the time it takes in one process (docs/results.md 41).
 test: $(STAMP) $(ENGINES) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q --durations=25
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25

@@ -50,10 +50,27 @@ def _train(tmp_path, model, name, *extra):
     return runs[0], done.stdout
 
 
-def test_two_processes_train_what_one_process_trains(tmp_path):
-    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
-    one, _ = _train(tmp_path, model, "one")
-    two, shown = _train(tmp_path, model, "two", "--gpus", "2")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model every run of the module trains."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("model") / "m", load_tokenizer(), seed=2)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, tiny):
+    """The reference: the tiny model's two-iteration LoRA run on one process."""
+    return _train(tmp_path_factory.mktemp("one"), tiny, "one")[0]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, tiny):
+    """The same LoRA run with the learner sharded over two processes, and what it printed."""
+    return _train(tmp_path_factory.mktemp("sharded"), tiny, "straight", "--set", "model.sharding=fsdp", "--gpus", "2")
+
+
+def test_two_processes_train_what_one_process_trains(tmp_path, tiny, one_process_run):
+    one = one_process_run
+    two, shown = _train(tmp_path, tiny, "two", "--gpus", "2")
     assert shown.count("run: ") == 1  # process 0 speaks for both
     for iteration in range(2):
         a = read_episodes(one / "episodes" / f"iter-{iteration:06d}.parquet")
@@ -104,16 +121,20 @@ def _close(a, b, tolerance):
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_sharded_learner_on_two_processes_trains_what_one_process_trains(tmp_path, lora):
-    model = tiny_checkpoint(tmp_path / "m", load_tokenizer(), seed=2)
-    extra = ["--set", f"model.lora.enabled={str(lora).lower()}"]
-    one, _ = _train(tmp_path, model, "one", *extra)
-    two, shown = _train(tmp_path, model, "two", *extra, "--set", "model.sharding=fsdp", "--gpus", "2")
+def test_sharded_learner_on_two_processes_trains_what_one_process_trains(
+    tmp_path, tiny, one_process_run, sharded_run, lora
+):
+    if lora:  # the module's runs are these two
+        one, (two, shown) = one_process_run, sharded_run
+    else:
+        extra = ["--set", "model.lora.enabled=false"]
+        one, _ = _train(tmp_path, tiny, "one", *extra)
+        two, shown = _train(tmp_path, tiny, "two", *extra, "--set", "model.sharding=fsdp", "--gpus", "2")
     assert shown.count("run: ") == 1
     _same_lines(one, two)
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     plain, sharded = _tensors(one, name), _tensors(two, name)
-    initial = load_file(str(model / "model.safetensors"))
+    initial = load_file(str(tiny / "model.safetensors"))
     moved = max(float((plain[k] - initial.get(k, 0 * plain[k])).abs().max()) for k in plain if "lora_A" not in k)
     assert moved > 1e-3  # the policy learned (lr 1e-2): the agreement below is of real updates
     _close(plain, sharded, 5e-4)  # as data-parallel training: summation order, amplified by AdamW (see above)
@@ -121,19 +142,11 @@ def test_sharded_learner_on_two_processes_trains_what_one_process_trains(tmp_pat
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-@pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory):
-    """A tiny model and its sharded two-iteration run on two processes."""
-    root = tmp_path_factory.mktemp("sharded")
-    model = tiny_checkpoint(root / "m", load_tokenizer(), seed=2)
-    return model, _train(root, model, "straight", "--set", "model.sharding=fsdp", "--gpus", "2")[0]
-
-
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, sharded_run, before, after):
-    model, straight = sharded_run
+def test_sharded_checkpoint_resumes_on_another_process_count(tmp_path, tiny, sharded_run, before, after):
+    straight, _ = sharded_run
     fsdp = ["--set", "model.sharding=fsdp"]
-    half, _ = _train(tmp_path, model, "half", *fsdp, "--gpus", str(before), "--set", "iterations=1")
+    half, _ = _train(tmp_path, tiny, "half", *fsdp, "--gpus", str(before), "--set", "iterations=1")
     argv = [sys.executable, "-m", "repertory", "train", "--quiet", "--resume", str(half), "--set", "iterations=2"]
     argv += ["--gpus", str(after)]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
