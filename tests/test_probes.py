@@ -46,20 +46,20 @@ def tokenizer():
 @pytest.mark.slow
 def test_a_suite_probes_each_finished_run_once(tmp_path, tokenizer):
     model = tiny_checkpoint(tmp_path / "tiny", tokenizer, seed=6)
-    recipe, grid = tmp_path / "online.yaml", tmp_path / "grid"
+    recipe, grid, records = tmp_path / "online.yaml", tmp_path / "grid", tmp_path / "records"
     overrides = ["rollout.constrained=true", "rollout.kernels_per_iteration=1", "rollout.episodes_per_kernel=2",
                  "eval.episodes=2", "name=null", "iterations=1", f"model.name={model}"]  # fmt: skip
     recipe.write_text(dump_config(load_config(None, overrides)))
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(
         f"suite: {{recipe: {recipe}, methods: [{{kind: selfplay, estimator: omar}}], envs: [ipd], seeds: [0, 1], "
-        f"metric: outcome, output_dir: {grid}, probes: {{episodes: "
+        f"metric: outcome, output_dir: {grid}, records: {records}, probes: {{episodes: "
         f"4, partners: [always-defect], exploiters: [0], exploiter_iterations: 1, exploiter_set: "
         f"[rollout.kernels_per_iteration=1, rollout.constrained=true, 'model.name={model}']}}}}\n"
     )
     suite = load_suite(str(suite_file))
     run_suite(suite)
-    paths = {p.stem: p for p in (grid / "probes").glob("*.json")}
+    paths = {p.stem: p for p in (records / "probes").glob("*.json")}
     assert sorted(paths) == ["omar-ipd-s0", "omar-ipd-s1"]
     record = json.loads(paths["omar-ipd-s1"].read_text())
     assert (record["method"], record["seed"]) == ("omar", 1)
@@ -72,6 +72,9 @@ def test_a_suite_probes_each_finished_run_once(tmp_path, tokenizer):
     (exploiter,) = record["exploit"]["runs"]
     assert exploiter["seed"] == 0
     assert record["exploit"]["gain"] == pytest.approx(exploiter["exploiter_after"] - exploiter["exploiter_before"])
+    # the exploiters trained in the output directory; the records keep small files only, no weights
+    assert list((grid / "exploiters" / "omar-ipd-s1").glob("*/checkpoints/*/COMPLETE"))
+    assert {p.suffix for p in records.rglob("*") if p.is_file()} <= {".json", ".jsonl", ".yaml", ".md"}
     text = (grid / "probes.md").read_text()
     assert "| omar | 0." in text and "## exploiter gain, mean ± SE over seeds" in text
     written = {name: path.stat().st_mtime_ns for name, path in paths.items()}

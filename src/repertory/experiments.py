@@ -95,7 +95,8 @@ def run_suite(
             if suite.records is not None:
                 keep_records(run_dir, kept)
         if suite.probes is not None:
-            probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", loaded))
+            exploiters = Path(suite.output_dir) / "exploiters" / name
+            probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
     table = results_table(runs, metric=suite.metric)
     table.write(Path(suite.output_dir))
     if probed:
@@ -148,10 +149,16 @@ def keep_records(run: RunDir, records: Path) -> None:
 
 
 def probe_run(
-    run_dir: RunDir, probes: ProbesConfig, path: Path, loaded: Callable[[], LoadedModel] | None = None
+    run_dir: RunDir,
+    probes: ProbesConfig,
+    path: Path,
+    exploiters: Path,
+    loaded: Callable[[], LoadedModel] | None = None,
 ) -> dict[str, Any]:
     """Probe a finished run's last policy (see :class:`ProbesConfig`) on held-out games that every arm of its seed
-    shares; the record, kept at ``path`` so that a continued suite probes each run once."""
+    shares; the record, kept at ``path`` so that a continued suite probes each run once. The exploiters train
+    in ``exploiters`` (a working directory: their checkpoints stay out of the records, which keep their numbers
+    in the probe record)."""
     if path.is_file():
         return json.loads(path.read_text())
     if not (run_dir / "checkpoints").is_dir():
@@ -179,7 +186,6 @@ def probe_run(
     fit = env_class(env).strategy_fit(games)
     record["strategy"] = fit.to_json() if fit is not None else None
     if probes.exploiters:
-        exploiters = path.parent.parent / "exploiters" / run_dir.name
         record["exploit"] = exploitability(
             env, str(run_dir.root), probes.exploiter_iterations, probes.exploiters, probes.episodes, exploiters,
             probes.exploiter_set, loaded,
