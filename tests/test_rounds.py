@@ -953,6 +953,7 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     # Five seeds of the three credits, 32 matches an update at half results 24's learning rate, one warm start.
     assert len(matches) == 15 and claims.records == "docs/records/results-38"
     assert {(r.rollout.kernels_per_iteration, r.algo.lr, r.iterations) for r in matches.values()} == {(32, 2.5e-4, 6)}
+    assert {r.checkpoint_every for r in matches.values()} == {1}  # a stopped run loses one iteration at most
     assert len({str(WarmPlan.of(r).directory) for r in matches.values()}) == 1
     assert (claims.probes.partners, claims.probes.exploiters, claims.probes.episodes) == (["always-defect"], [0], 64)
     bargains = load_suite("omar-craigslist-suite")
