@@ -163,7 +163,9 @@ def test_an_update_from_reused_log_probs_equals_one_from_rescored(tokenizer, epi
         batch.assign({i: torch.full((s.n_tokens,), 0.1 * (i % 7 - 3)) for i, s in enumerate(batch.samples)})
         learner.update(batch, seed_key=0)
         weights.append(torch.cat([p.detach().flatten() for p in learner.trainable_parameters()]))
-    assert torch.allclose(weights[0], weights[1], rtol=0, atol=1e-6)
+    # the reused log-probs are the sampler's, within 1e-4 of a rescoring; through Adam's step (lr 1e-2) that is
+    # about 1e-6 of weight, by the machine's rounding (1.1e-6 on one Zen 4 host), against steps of about 1e-2
+    assert torch.allclose(weights[0], weights[1], rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("case", ["stale", "critic", "gap"])

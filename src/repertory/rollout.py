@@ -90,6 +90,7 @@ class _Running:
                 self.env.view(role),
                 turn_index=self.env.n_turns[role],
                 choices=self.env.action_choices(role),
+                syntax=self.env.action_syntax(role),
                 max_chars=self.env.max_chars(role),
                 label=self.env.role_labels[seat],
                 team=teams[seat] if teams else "",
@@ -121,6 +122,7 @@ class _Running:
                 response_ids=list(response.response_ids),
                 logp_sample=list(response.logp_sample),
                 policy_version=response.policy_version,
+                grammar=response.grammar,
                 reward=self.unattached.pop(role, 0.0),
             )
             self.turns.append(turn)

@@ -216,6 +216,9 @@ class Turn:
     response_ids: list[int] = field(default_factory=list)
     logp_sample: list[float] = field(default_factory=list)
     policy_version: int = 0  # the sampling policy's version: the trainer's updates before it was sampled
+    grammar: str | None = None
+    """The grammar it was sampled under (``TurnGrammar.dumps``): its log-probs are the masked policy's, and the
+    learner replays it to score the same policy. None for unconstrained and trie-constrained turns."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from repertory.envs import Env
+from repertory.envs.grammar import Syntax
 from repertory.remote import ChatClient, RemoteError
 from repertory.types import Message, RepertoryError, chat_dicts, derive
 
@@ -27,7 +28,8 @@ class Request:
 
     ``messages`` is the seat's whole chat so far, ``view`` its knowledge as structured data (for
     bots), ``turn_index`` counts the seat's own turns, ``choices`` lists every complete valid
-    response when the action here is a finite set (None for free text), and ``max_chars`` is how
+    response when the action here is a finite set (None for free text), ``syntax`` is the action's grammar
+    (None where the seat only talks), and ``max_chars`` is how
     much visible text the environment reads (the rest is cut, so generating it is wasted).
     ``attempt`` counts the partner guard's requests for a new sample of the same turn (0 first).
     ``role`` is the seat's name in the game; ``label`` its game role and ``team`` its team (empty outside team
@@ -41,6 +43,7 @@ class Request:
     view: dict[str, Any]
     turn_index: int = 0
     choices: list[str] | None = None
+    syntax: Syntax | None = None
     max_chars: int | None = None
     attempt: int = 0
     label: str = ""
@@ -65,6 +68,7 @@ class Response:
     response_ids: list[int] = field(default_factory=list)
     logp_sample: list[float] = field(default_factory=list)
     policy_version: int = 0  # the version of the policy that sampled it (a trainer's updates so far)
+    grammar: str | None = None  # the TurnGrammar it was sampled under (its log-probs are the masked policy's)
 
 
 class Agent(Protocol):
@@ -86,7 +90,7 @@ class LMOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 400
-    constrained: bool = False
+    constrained: bool | str = False  # True: finite action sets; "grammar": every action under its grammar
     seed: int = 0
     device: str | None = None
     as_trained: tuple[str, ...] = ()

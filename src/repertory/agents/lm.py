@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from repertory.agents import Request, Response
-from repertory.envs.parsing import clean
+from repertory.envs.grammar import GRAMMAR, TurnGrammar, turn_grammar
+from repertory.envs.parsing import DEFAULT_MAX_CHARS, clean
 from repertory.envs.roles import RoleAdapters
 from repertory.generation import Backend, SamplingParams, make_backend
-from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, Stream
+from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, Stream, TokenTrie
 from repertory.models import EMBEDDED, load_model
 from repertory.models.chat import chat_prompt_ids
 from repertory.types import derive
@@ -47,7 +48,7 @@ class LMAgent:
         backend: Backend,
         name: str = "model",
         params: SamplingParams | None = None,
-        constrained: bool = False,
+        constrained: bool | str = False,
         seed: int = 0,
         policy_id: str = "base",
         adapter: str | None = LIVE_ADAPTER,
@@ -68,7 +69,7 @@ class LMAgent:
         self.watch: Callable[[Request, str, int], None] | None = None
         """Sees each row's text and token count as they grow (every ``ENOUGH_EVERY`` tokens; live play)."""
         self._stream: Stream | None = None
-        self._queued: dict[int, tuple[Request, list[int]]] = {}
+        self._queued: dict[int, tuple[Request, GenerationRequest]] = {}
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The seat's chat rendered with the model's chat template, ready for the assistant turn."""
@@ -81,7 +82,7 @@ class LMAgent:
         rows = []
         for r in requests:
             seed = derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
-            constraint = self.backend.constraint(r.choices) if self.constrained and r.choices is not None else None
+            constraint = self._constraint(r)
             enough = _visible_text_exceeds(r.max_chars) if r.max_chars is not None else None
             if self.watch is not None:
                 enough = _watched(self.watch, r, enough)
@@ -89,28 +90,39 @@ class LMAgent:
             rows.append(GenerationRequest(self.prompt_ids(r), seed, constraint, key, enough, self._adapter(r)))
         return rows
 
-    def _response(self, prompt: list[int], generation: Generation) -> Response:
+    def _constraint(self, request: Request) -> TokenTrie | TurnGrammar | None:
+        """What restricts the request's answer: its action's grammar after talk (``constrained`` "grammar"), the
+        trie of its finite choices (True), or nothing."""
+        if self.constrained == GRAMMAR:
+            if request.syntax is None:
+                return None
+            return turn_grammar(request.syntax, self.params.max_new_tokens, request.max_chars or DEFAULT_MAX_CHARS)
+        return self.backend.constraint(request.choices) if self.constrained and request.choices is not None else None
+
+    def _response(self, row: GenerationRequest, generation: Generation) -> Response:
+        grammar = row.constraint.dumps() if isinstance(row.constraint, TurnGrammar) else None
         return Response(
             text=self.backend.decode(generation.response_ids),
             finish=generation.finish,
-            prompt_ids=prompt,
+            prompt_ids=list(row.prompt_ids),
             response_ids=generation.response_ids,
             logp_sample=generation.logp_sample,
             policy_version=self.backend.version,
+            grammar=grammar,
         )
 
     def act(self, requests: list[Request]) -> list[Response]:
         """Answer every request in one batched generation call."""
         rows = self._generation_requests(requests)
         generations = self.backend.generate(rows, self.params)
-        return [self._response(row.prompt_ids, g) for row, g in zip(rows, generations)]
+        return [self._response(row, g) for row, g in zip(rows, generations)]
 
     def submit(self, requests: list[Request]) -> None:
         """Queue requests into the batch in flight (continuous batching); ``poll`` returns them when answered."""
         if self._stream is None:
             self._stream = self.backend.stream(self.params)
         for request, row in zip(requests, self._generation_requests(requests)):
-            self._queued[self._stream.add(row)] = (request, row.prompt_ids)
+            self._queued[self._stream.add(row)] = (request, row)
 
     def _adapter(self, request: Request) -> object:
         """The version that samples ``request``: its seat's role or team adapter, else the agent's own (SYNCED
@@ -130,8 +142,8 @@ class LMAgent:
             return []
         done = []
         for ticket, generation in self._stream.step():
-            request, prompt = self._queued.pop(ticket)
-            done.append((request, self._response(prompt, generation)))
+            request, row = self._queued.pop(ticket)
+            done.append((request, self._response(row, generation)))
         return done
 
 

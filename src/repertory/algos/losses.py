@@ -104,11 +104,12 @@ def kl_penalty(logp_new: Tensor, logp_ref: Tensor, kind: str = "k3") -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / T) at each position (over the last dimension)."""
+    """Entropy of softmax(logits / T) at each position (over the last dimension); a -inf logit (a token a grammar
+    masks) adds nothing."""
     if temperature <= 0:
         raise RepertoryError(f"temperature must be > 0, got {temperature}")
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    return -(logp.exp() * torch.where(torch.isfinite(logp), logp, 0.0)).sum(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 import typer
 
 from repertory.cli import bench, eval, play, report, serve, train
-from repertory.cli.common import out
+from repertory.cli.common import out, with_optional_values
 from repertory.types import RepertoryError
 
 app = typer.Typer(
@@ -37,7 +37,7 @@ __all__ = ["app", "main", "out"]
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one line on stderr and exit status 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=with_optional_values(sys.argv[1:] if argv is None else argv), standalone_mode=False)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.TyperException as exc:

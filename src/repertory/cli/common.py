@@ -12,6 +12,7 @@ from rich.table import Table
 
 from repertory.agents import Agent, LMOptions
 from repertory.envs import env_class
+from repertory.envs.grammar import GRAMMAR
 from repertory.envs.kernels import check_split
 from repertory.types import RepertoryError
 
@@ -68,8 +69,34 @@ def check_agents(env: str, specs: list[str], lm: LMOptions | None = None) -> Non
         spec_kind(spec, env_class(env), lm)
 
 
+CONSTRAINED_MODES = {"off": False, "choices": True, GRAMMAR: GRAMMAR}
+OPTIONAL_VALUES = {"--constrained": "choices"}
+"""Options whose value may be left out (``--constrained`` alone means ``--constrained choices``)."""
+ALIASES = {"--free": ["--constrained", "off"]}
+
+
+def with_optional_values(argv: list[str]) -> list[str]:
+    """The command line with each option of :data:`OPTIONAL_VALUES` given its value where it was left out, and
+    :data:`ALIASES` spelled out (Typer has no option whose value is optional)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        out += ALIASES.get(arg, [arg])
+        if arg in OPTIONAL_VALUES and (i + 1 == len(argv) or argv[i + 1] not in CONSTRAINED_MODES):
+            out.append(OPTIONAL_VALUES[arg])
+    return out
+
+
+def constrained_mode(value: str | None) -> bool | str | None:
+    """``--constrained``'s value as ``rollout.constrained`` takes it: False, True (choices) or "grammar"."""
+    if value is None:
+        return None
+    if value not in CONSTRAINED_MODES:
+        raise RepertoryError(f"--constrained must be one of {', '.join(CONSTRAINED_MODES)} (got {value!r})")
+    return CONSTRAINED_MODES[value]
+
+
 def lm_options(
-    model: str, temperature: float, top_p: float, max_new_tokens: int, constrained: bool, seed: int
+    model: str, temperature: float, top_p: float, max_new_tokens: int, constrained: bool | str | None, seed: int
 ) -> LMOptions:
     if temperature < 0:
         raise RepertoryError(f"--temperature must be >= 0 (got {temperature})")
@@ -77,7 +104,7 @@ def lm_options(
         raise RepertoryError(f"--top-p must be in (0, 1] (got {top_p})")
     if max_new_tokens < 1:
         raise RepertoryError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    return LMOptions(model, temperature, top_p, max_new_tokens, constrained, seed)
+    return LMOptions(model, temperature, top_p, max_new_tokens, constrained or False, seed)
 
 
 MODEL_HELP = "Model for `model` agents: the embedded SmolLM2-135M-Instruct, or a Hugging Face checkpoint directory."

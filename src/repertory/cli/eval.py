@@ -15,7 +15,15 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
-from repertory.cli.common import check_run_options, count, games_progress, judged_table, out, team_table
+from repertory.cli.common import (
+    check_run_options,
+    constrained_mode,
+    count,
+    games_progress,
+    judged_table,
+    out,
+    team_table,
+)
 from repertory.envs import env_class
 from repertory.stats import plus_minus
 from repertory.types import RepertoryError
@@ -165,7 +173,12 @@ WORKERS = typer.Option(
 MAX_NEW_TOKENS = typer.Option(
     None, "--max-new-tokens", help="Token budget per turn (default: as the run was trained; 400 for 'base')."
 )
-CONSTRAINED = typer.Option(None, "--constrained/--free", help="Constrained actions (default: as the run was trained).")
+CONSTRAINED = typer.Option(
+    None,
+    "--constrained",
+    help="choices (finite action sets; the default of a bare --constrained), grammar (every action under its "
+    "grammar) or off (--free); default: as the run was trained.",
+)
 
 
 def _check_budget(max_new_tokens: int | None) -> None:
@@ -189,7 +202,7 @@ def eval_crossplay(
     split: str = SPLIT,
     model: str = typer.Option("smollm2", "--model", "-m", help="The base model of base and model agents."),
     max_new_tokens: int | None = MAX_NEW_TOKENS,
-    constrained: bool | None = CONSTRAINED,
+    constrained: str | None = CONSTRAINED,
     as_json: bool = AS_JSON,
     out_dir: Path | None = typer.Option(
         None, "--out", help="Also draw heat maps of M and W into DIR/crossplay-ENV.png and save DIR/crossplay-ENV.json."
@@ -204,7 +217,7 @@ def eval_crossplay(
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise RepertoryError(f"--out {out_dir} is not a directory")
     _check_budget(max_new_tokens)
-    line_up = (names, cls.name, seed, model, max_new_tokens, constrained)
+    line_up = (names, cls.name, seed, model, max_new_tokens, constrained_mode(constrained))
     agents = lineup_agents(*line_up)
     with (
         _workers(workers, cls.name, partial(lineup_agents, *line_up)) as actors,
@@ -309,7 +322,7 @@ def eval_policy(
     seed: int = SEED,
     model: str = typer.Option("smollm2", "--model", "-m", help="Base model when TARGET is 'base'."),
     max_new_tokens: int | None = MAX_NEW_TOKENS,
-    constrained: bool | None = CONSTRAINED,
+    constrained: str | None = CONSTRAINED,
     as_json: bool = AS_JSON,
     workers: int = WORKERS,
     judge: str | None = typer.Option(
@@ -338,7 +351,7 @@ def eval_policy(
 
     check_run_options(split, seed, episodes)
     _check_budget(max_new_tokens)
-    line_up = (target, env, vs, seed, model, max_new_tokens, constrained)
+    line_up = (target, env, vs, seed, model, max_new_tokens, constrained_mode(constrained))
     env_name = evaluation_env(target, env)
     options, judging = _judging(target, env_name, env_option or [], judge, judge_key_env, fine_grained)
     agent, opponent, env_name = evaluation_lineup(*line_up)

@@ -22,6 +22,7 @@ from repertory.cli.common import (
     agents_for,
     check_agents,
     check_run_options,
+    constrained_mode,
     count,
     games_progress,
     lm_options,
@@ -239,8 +240,11 @@ def play(
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature of `model` agents (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling of `model` agents."),
     max_new_tokens: int = typer.Option(400, "--max-new-tokens", help="Token budget per turn of `model` agents."),
-    constrained: bool = typer.Option(
-        False, "--constrained", help="Restrict `model` agents to valid actions where the action is a finite set."
+    constrained: str = typer.Option(
+        "off",
+        "--constrained",
+        help="Restrict `model` agents: choices (a bare --constrained) to valid actions where the action is a finite "
+        "set; grammar to talk and then a valid action in every turn, whatever the game.",
     ),
     guard: bool = typer.Option(
         True,
@@ -259,7 +263,9 @@ def play(
         raise RepertoryError(f"--agents has an empty name; {hint}")
     seatable(cls, load_kernels(env, split), len(specs), kernel, hint)
     store = EpisodeStore(out_dir).prepare() if out_dir else None
-    built = agents_for(env, specs, lm_options(model, temperature, top_p, max_new_tokens, constrained, seed))
+    built = agents_for(
+        env, specs, lm_options(model, temperature, top_p, max_new_tokens, constrained_mode(constrained), seed)
+    )
     lineup = schedule(env, [built[s] for s in specs], episodes, seed, split, kernel)
     trained = cls.roles.index(cls.default_trained_role)
     for spec in lineup:

@@ -88,7 +88,11 @@ class RolloutConfig(_Section):
     episodes_per_kernel: int = Field(2, ge=1, description="Episodes per kernel (the GRPO/RLOO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the learner).")
     max_new_tokens: int = Field(400, ge=1, description="Token budget per turn.")
-    constrained: bool = Field(False, description="Constrain responses to the valid actions where they are finite.")
+    constrained: bool | Literal["grammar"] = Field(
+        False,
+        description="true: constrain responses to the valid actions where they are finite (token tries); grammar: "
+        "every turn is talk and then a valid action under the game's grammar (docs/environments.md 1.7).",
+    )
     max_concurrent: int = Field(256, ge=1, description="Episodes running at once in the rollout engine.")
     schedule: Literal["continuous", "tick"] = Field(
         "continuous",

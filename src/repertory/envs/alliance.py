@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, other
+from repertory.envs.grammar import Syntax, json_object, json_string
 from repertory.envs.negotiation import BotOption, Negotiation, Offer, Standing, aspiration_reply, rnd, tag_text
 from repertory.envs.parsing import PayloadError, as_integer, parse_fields
 
@@ -244,6 +245,10 @@ class Alliance(Negotiation):
         """How many options each issue A..E has."""
         assert self.kernel is not None
         return self.kernel.data["n_options"]
+
+    def offer_syntax(self, role: str) -> Syntax:
+        labels = [[label(i, j) for j in range(n)] for i, n in enumerate(self.n_options)]
+        return json_object([(issue, json_string(options)) for issue, options in zip(ISSUES, labels)])
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ISSUES, required=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from repertory.envs.grammar import Syntax, choices_syntax
 from repertory.envs.parsing import DEFAULT_MAX_CHARS
 from repertory.types import (
     Episode,
@@ -222,6 +223,12 @@ class Env(ABC):
         """Every complete valid response of ``role`` now, when that is a finite set (for constrained
         decoding); None where the role writes free text."""
         return None
+
+    def action_syntax(self, role: str) -> Syntax | None:
+        """The grammar of ``role``'s action now (``rollout.constrained: grammar``; docs/environments.md 1.7), which
+        talk may precede: by default any one of :meth:`action_choices`; None where the role only talks."""
+        choices = self.action_choices(role)
+        return choices_syntax(choices) if choices else None
 
     def guard(self, role: str, text: str) -> str | None:
         """The partner guard (docs/environments.md 1.6): None when ``text`` keeps ``role`` within its private

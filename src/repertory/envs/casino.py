@@ -10,6 +10,7 @@ from functools import cache
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, other
+from repertory.envs.grammar import Syntax, integer, json_object
 from repertory.envs.negotiation import BotOption, Negotiation, Offer, Standing, aspiration_reply, tag_text
 from repertory.envs.parsing import PayloadError, as_integer, parse_fields
 
@@ -145,6 +146,9 @@ class Casino(Negotiation):
     def proposal_grid(self, role: str) -> list[Offer]:
         """Every split of the packages."""
         return [dict(zip(ITEMS, share)) for share in SPLITS]
+
+    def offer_syntax(self, role: str) -> Syntax:
+        return json_object([(item, integer(0, PACKAGES)) for item in ITEMS])
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ITEMS, required=False)

@@ -8,6 +8,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, fmt
+from repertory.envs.grammar import Syntax, integer, json_object
 from repertory.envs.negotiation import Negotiation, Offer, Standing, rnd, tag_text
 from repertory.envs.parsing import PayloadError, parse_fields
 
@@ -297,6 +298,9 @@ class Craigslist(Negotiation):
         target, 50-90%, and every limit, 75-95%, so each side can reach its best deal on the grid's steps)."""
         prices = sorted({rnd(Fraction(self.list_price * pct, 100)) for pct in range(50, 105, 5)})
         return [{"price": price} for price in prices]
+
+    def offer_syntax(self, role: str) -> Syntax:
+        return json_object([("price", integer(1, PRICE_CAP * self.list_price))])
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         value = parse_fields(payload, ("price",), required=True)["price"]

@@ -13,6 +13,7 @@ from functools import cache, lru_cache
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, fmt, other
+from repertory.envs.grammar import Syntax, integer, json_object, json_string
 from repertory.envs.negotiation import (
     BotOption,
     Negotiation,
@@ -256,6 +257,10 @@ class JobInterview(Negotiation):
         data = self.kernel.data
         fields = ("weights", "workplace_values", "company_values", "position_values")
         return {field: data[field][role] for field in fields}
+
+    def offer_syntax(self, role: str) -> Syntax:
+        numbers = [("salary", integer(*SALARY)), ("holidays", integer(*HOLIDAYS))]
+        return json_object(numbers + [(issue, json_string(options)) for issue, options in NAMED.items()])
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         fields = parse_fields(payload, ISSUES, required=True)

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.base import Env, KeyMetric, fmt, other
+from repertory.envs.grammar import Syntax, literal, one_of, tagged
 from repertory.envs.parsing import PayloadError, TagMatch, clean, find_tags, last_tag
 from repertory.types import Action, Episode, Parsed, StepResult
 
@@ -146,9 +147,25 @@ class Negotiation(Env):
         grid = self.proposal_grid(role)
         if grid is None:
             return None
+        return [tag_text("propose", offer) for offer in grid] + [tag_text(tag) for tag in self._moves(role)]
+
+    def action_syntax(self, role: str) -> Syntax | None:
+        """Under a grammar every message ends in a move: a proposal with the game's typed fields
+        (:meth:`offer_syntax`), accept or reject of the partner's standing proposal, or a walk-away."""
+        offer = self.offer_syntax(role)
+        if offer is None:
+            return super().action_syntax(role)
+        return one_of([tagged("propose", offer), *(literal(tag_text(t)) for t in self._moves(role))])
+
+    def offer_syntax(self, role: str) -> Syntax | None:
+        """The grammar of a valid proposal's payload (a JSON object of the game's fields); None where the game
+        states none."""
+        return None
+
+    def _moves(self, role: str) -> list[str]:
+        """The empty tags ``role`` may write now."""
         answers = ("accept", "reject") if self.standing is not None and self.standing.by != role else ()
-        moves = [tag for tag in (*answers, "walkaway") if tag in self.empty_tags]
-        return [tag_text("propose", offer) for offer in grid] + [tag_text(tag) for tag in moves]
+        return [t for t in (*answers, "walkaway") if t in self.empty_tags]
 
     def status_line(self, role: str) -> str:
         """The line that precedes each of ``role``'s turns: the table, and messages left."""

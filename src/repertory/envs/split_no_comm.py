@@ -7,6 +7,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, IteratedGame, KeyMetric, collective_payoff, fmt, other, proportional_split
+from repertory.envs.grammar import Syntax, integer, json_object, tagged
 from repertory.envs.parsing import PayloadError, as_integer, clean, last_tag, parse_fields
 from repertory.types import Action, Parsed, StepResult
 
@@ -124,6 +125,9 @@ class SplitNoComm(IteratedGame):
 
     def action_choices(self, role: str) -> list[str] | None:
         return ALL_CLAIMS
+
+    def action_syntax(self, role: str) -> Syntax:
+        return tagged("propose", json_object([(item, integer(0, QUANTITY)) for item in ITEMS]))
 
     def parse(self, role: str, text: str) -> Parsed:
         nothing = Action("propose", {i: 0 for i in ITEMS})

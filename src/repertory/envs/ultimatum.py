@@ -8,6 +8,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from repertory.envs.base import Bot, fmt, other
+from repertory.envs.grammar import Syntax, integer, json_object
 from repertory.envs.negotiation import Negotiation, Offer, Standing, rnd, tag_text
 from repertory.envs.parsing import PayloadError, as_integer, parse_fields
 
@@ -118,6 +119,9 @@ class Ultimatum(Negotiation):
     def proposal_grid(self, role: str) -> list[Offer]:
         """Keeping 0%, 10%, ..., 100% of the pool (our choice: every pool is a multiple of 10)."""
         return [{"keep": self.pool * tenths // 10} for tenths in range(11)]
+
+    def offer_syntax(self, role: str) -> Syntax:
+        return json_object([("keep", integer(0, self.pool))])
 
     def parse_offer(self, role: str, payload: str) -> Offer:
         keep = as_integer(parse_fields(payload, ("keep",), required=True)["keep"], "keep")

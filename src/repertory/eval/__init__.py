@@ -224,7 +224,7 @@ def evaluation_lineup(
     seed: int,
     model: str = "smollm2",
     max_new_tokens: int | None = None,
-    constrained: bool | None = None,
+    constrained: bool | str | None = None,
 ) -> tuple[LMAgent, Agent | None, str]:
     """The agent under test, its opponent (None: self-play) and the environment of ``repertory eval TARGET``.
 

@@ -461,19 +461,19 @@ def crossplay_report(result: CrossPlay, anchor: str = "base") -> CrossPlayReport
 
 
 def lineup_agent(
-    spec: str, env: type[Env], seed: int, model: str, max_new_tokens: int | None, constrained: bool | None
+    spec: str, env: type[Env], seed: int, model: str, max_new_tokens: int | None, constrained: bool | str | None
 ) -> Agent:
     """One agent of a cross-play line-up, named by its spec. ``base`` and ``model`` sample at temperature 1
     with 400 tokens of free text, a trained policy as its run was trained; ``max_new_tokens`` and
     ``constrained`` override both."""
     kept = ("temperature",) + (("max_new_tokens",) if max_new_tokens is None else ())
     kept += ("constrained",) if constrained is None else ()
-    options = LMOptions(model, 1.0, 1.0, max_new_tokens or 400, bool(constrained), seed, as_trained=kept)
+    options = LMOptions(model, 1.0, 1.0, max_new_tokens or 400, constrained or False, seed, as_trained=kept)
     return make_agent(spec, env, options)
 
 
 def lineup_agents(
-    names: list[str], env: str, seed: int, model: str, max_new_tokens: int | None, constrained: bool | None
+    names: list[str], env: str, seed: int, model: str, max_new_tokens: int | None, constrained: bool | str | None
 ) -> dict[str, Agent]:
     """The agents of ``eval crossplay --agents``, by name (also a worker's line-up)."""
     cls = env_class(env)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
+from repertory.envs.grammar import TurnGrammar
+
 ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
 
 
@@ -83,14 +85,16 @@ class GenerationRequest:
     """One row of a generation call: what :class:`Backend` samples one :class:`Generation` for.
 
     ``seed`` alone drives the row's randomness (its tokens do not depend on the other rows of the call);
-    ``constraint`` restricts it to a trie of complete responses; ``cache_key`` names the kept prefix it reuses and
-    extends; ``enough(text)`` ends it early (finish "length") once more text would be wasted; ``adapter`` names
-    the policy version that samples it: SYNCED the synced policy as it is (under LoRA, its live adapter), None the
-    base with the adapters off, a str that LoRA adapter of the synced PEFT model."""
+    ``constraint`` restricts it to a trie of complete responses, or to a grammar (its log-probs are then the
+    masked policy's, and its ``enough`` is ignored: the row ends where the grammar's action does);
+    ``cache_key`` names the kept prefix it reuses and extends; ``enough(text)`` ends it early (finish "length")
+    once more text would be wasted; ``adapter`` names the policy version that samples it: SYNCED the synced
+    policy as it is (under LoRA, its live adapter), None the base with the adapters off, a str that LoRA adapter
+    of the synced PEFT model."""
 
     prompt_ids: Sequence[int]
     seed: int
-    constraint: TokenTrie | None = None
+    constraint: TokenTrie | TurnGrammar | None = None
     cache_key: object = None
     enough: Enough = None
     adapter: object = SYNCED

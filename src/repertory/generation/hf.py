@@ -51,6 +51,7 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
+from repertory.generation.grammar import GrammarRow
 from repertory.generation.kvcache import (
     MIN_REUSE,
     PAGE,
@@ -319,9 +320,10 @@ class HFBackend(TokenizedChoices):
         logits: torch.Tensor,
         params: SamplingParams,
         rngs: list[torch.Generator],
-        nodes: list[TokenTrie | None],
+        limits: list[TokenTrie | GrammarRow | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row; return the tokens and their full-vocabulary log-probs.
+        """Draw one token per row; return the tokens and their log-probs: over the full vocabulary, or under a
+        grammar over the tokens it allows (the masked policy; a trie's rows keep the full vocabulary's).
 
         Sampling is Gumbel-max with per-row noise from the row's own generator, so a perturbation
         of the logits far below the gap between the best candidates (padding, a reused prefix,
@@ -330,9 +332,14 @@ class HFBackend(TokenizedChoices):
         temperature = params.temperature if params.temperature > 0 else 1.0
         logp_full = torch.log_softmax(logits / temperature, dim=-1)
         scores = logp_full.clone()
-        for row, node in enumerate(nodes):
-            if node is not None and node.children:
-                allowed = torch.tensor(list(node.children), device=scores.device)
+        for row, limit in enumerate(limits):
+            if isinstance(limit, GrammarRow):
+                allowed = torch.zeros(scores.shape[1], dtype=torch.bool)
+                allowed[: limit.masks.vocab] = limit.allowed()
+                scores[row].masked_fill_(~allowed.to(scores.device), float("-inf"))
+                logp_full[row] = scores[row] - torch.logsumexp(scores[row], dim=0)
+            elif limit is not None and limit.children:
+                allowed = torch.tensor(list(limit.children), device=scores.device)
                 masked = torch.full_like(scores[row], float("-inf"))
                 masked[allowed] = scores[row, allowed]
                 scores[row] = masked

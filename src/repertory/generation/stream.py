@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 import torch
 from transformers import DynamicCache
 
+from repertory.envs.grammar import TurnGrammar
 from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, SamplingParams, TokenTrie
+from repertory.generation.grammar import GrammarRow, grammar_masks
 from repertory.generation.kvcache import (
     PAGE,
     Hit,
@@ -56,6 +58,7 @@ class Row:
     chunk: list[int] = field(default_factory=list)  # the tokens fed in the next forward pass (none once done)
     done: bool = False
     adapter: object = SYNCED  # the policy version that samples it (see ``HFBackend.generate``)
+    grammar: GrammarRow | None = None  # its grammar's state, under ``rollout.constrained: grammar``
 
     def generation(self) -> Generation:
         return Generation(self.tokens, self.logps, self.finish)
@@ -141,7 +144,10 @@ class DecodeStream:
 
     def add(self, request: GenerationRequest) -> int:
         """Queue a row (its adapter SYNCED: the stream's); its ticket names it in ``step``'s results."""
-        prompt, constraint = request.prompt_ids, request.constraint
+        prompt, constraint, grammar = request.prompt_ids, request.constraint, None
+        if isinstance(constraint, TurnGrammar):
+            grammar = grammar_masks(self.backend.tokenizer, self.backend.end_of_turn_id).start(constraint)
+            constraint = None
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
         need = self._need_alone(len(prompt) + budget)
         if need > self.backend.budget_tokens:
@@ -155,7 +161,15 @@ class DecodeStream:
         adapter = request.or_adapter(self.adapter).adapter
         self.waiting.append(
             Row(
-                self._tickets, list(prompt), rng, constraint, request.cache_key, request.enough, budget, adapter=adapter
+                self._tickets,
+                list(prompt),
+                rng,
+                constraint,
+                request.cache_key,
+                None if grammar else request.enough,  # a grammar's row ends where its action does
+                budget,
+                adapter=adapter,
+                grammar=grammar,
             )
         )
         return self._tickets
@@ -291,13 +305,16 @@ class DecodeStream:
         live = [i for i, r in enumerate(self.rows) if not r.done]
         rows = [self.rows[i] for i in live]
         logits = self.logits[live] if len(live) < len(self.rows) else self.logits
-        chosen, chosen_logp = backend._sample(logits, params, [r.rng for r in rows], [r.node for r in rows])
+        limits = [r.node or r.grammar for r in rows]
+        chosen, chosen_logp = backend._sample(logits, params, [r.rng for r in rows], limits)
         finished = []
         for i, row, token, logp in zip(live, rows, chosen.tolist(), chosen_logp.tolist()):
             row.tokens.append(token)
             row.logps.append(logp)
             if row.node is not None:
                 row.node = row.node.children.get(token)
+            if row.grammar is not None:
+                row.grammar.advance(token)
             checked = row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0
             if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
                 row.finish = "stop"

@@ -11,6 +11,10 @@ row at every step, before temperature and nucleus filtering:
   constraints (docs/algorithms.md 1.2);
 - a constrained row's logits are masked to the children of its node in the token trie, so it produces one
   of the listed token paths exactly (grammar engines would accept other tokenisations of the same text);
+- a grammar-constrained row's logits are masked by its grammar (:mod:`repertory.generation.grammar`, the
+  masks the ``hf`` backend and the learner use), and its normaliser is the masked one: the masked policy's
+  log-prob, as there. vLLM's own structured outputs are not used: they would mask after this processor and
+  record nothing the learner could replay;
 - a row with ``enough`` is ended once its text is long enough (checked every ``ENOUGH_EVERY`` tokens, as
   in ``hf``): the processor forces a stop token, which is dropped from the result (finish "length").
 
@@ -52,6 +56,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from repertory.envs.grammar import TurnGrammar
 from repertory.generation.core import (
     ENOUGH_EVERY,
     SYNCED,
@@ -64,6 +69,7 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
+from repertory.generation.grammar import GrammarRow, grammar_masks
 from repertory.models import LoadedModel, base_weights, weights
 from repertory.models.adapters import merged_weights
 from repertory.types import RepertoryError
@@ -94,8 +100,20 @@ class _Row:
     enough: Callable[[str], bool] | None
     decode: Callable[[Sequence[int]], str]
     stop_id: int
-    lse: list[float] = field(default_factory=list)  # logsumexp(logits / T) at each step
+    grammar: GrammarRow | None = None
+    lse: list[float] = field(default_factory=list)  # logsumexp(logits / T) at each step (under a grammar, masked)
     cut: int | None = None  # tokens kept when ``enough`` ended the row
+    taken: int = 0  # output tokens the grammar has taken
+
+    def grammar_mask(self, output_ids: list[int], width: int) -> torch.Tensor:
+        """The grammar's allowed tokens after ``output_ids`` (bool, [width])."""
+        assert self.grammar is not None
+        for token in output_ids[self.taken :]:
+            self.grammar.advance(token)
+        self.taken = len(output_ids)
+        allowed = torch.zeros(width, dtype=torch.bool)
+        allowed[: self.grammar.masks.vocab] = self.grammar.allowed()
+        return allowed
 
 
 _ROWS: dict[str, _Row] = {}
@@ -147,6 +165,10 @@ class _RowProcessor(LogitsProcessor):
                 kept = logits[i, keep].clone()
                 logits[i] = float("-inf")
                 logits[i, keep] = kept
+            if row.grammar is not None:  # the masked policy: its normaliser is over the allowed tokens
+                mask = row.grammar_mask(output_ids, logits.shape[1]).to(logits.device)
+                logits[i] = logits[i].masked_fill(~mask, float("-inf"))
+                row.lse[-1] = float(torch.logsumexp(logits[i].float() / row.temperature, dim=-1))
         return logits
 
 
@@ -243,7 +265,7 @@ class VLLMBackend(TokenizedChoices):
         prompts = [r.prompt_ids for r in requests]
         temperature = params.temperature if params.temperature > 0 else 1.0
         keys = [f"{id(self)}-{next(self._rows)}" for _ in requests]
-        rows = [_Row(temperature, r.constraint, r.enough, self.decode, self.end_of_turn_id) for r in requests]
+        rows = [self._row(r, temperature) for r in requests]
         _ROWS.update(zip(keys, rows))
         try:
             sampling = [self._sampling_params(params, r.seed, key) for r, key in zip(requests, keys)]
@@ -268,6 +290,15 @@ class VLLMBackend(TokenizedChoices):
             self.stats.generated_tokens += len(completion.token_ids)
         self.stats.calls += 1
         return results
+
+    def _row(self, request: GenerationRequest, temperature: float) -> _Row:
+        """What the row processor keeps of ``request``: its trie, or its grammar's state (whose row ends where the
+        action does, so no ``enough``)."""
+        constraint = request.constraint
+        if isinstance(constraint, TurnGrammar):
+            grammar = grammar_masks(self.tokenizer, self.end_of_turn_id).start(constraint)
+            return _Row(temperature, None, None, self.decode, self.end_of_turn_id, grammar)
+        return _Row(temperature, constraint, request.enough, self.decode, self.end_of_turn_id)
 
     def _sampling_params(self, params: SamplingParams, seed: int, key: str) -> VLLMSamplingParams:
         return VLLMSamplingParams(

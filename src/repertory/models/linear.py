@@ -34,6 +34,8 @@ _LEARNER_DTYPE: ContextVar[torch.dtype | None] = ContextVar("repertory_learner_d
 
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+"""Whether oneDNN multiplies bfloat16 here: not on a CPU without AVX-512 (its bfloat16 products fail to build)."""
 
 
 def onednn_available() -> bool:
@@ -114,6 +116,8 @@ class FastLinear(torch.nn.Linear):
         """``x`` times the ``dtype`` copy of the weight, float32 out; differentiable in ``x`` only (the weight is
         frozen wherever a gradient is taken)."""
         weight, bias = self._reduced(dtype)
+        if not _ONEDNN_BF16:  # PyTorch's own (slow) bfloat16 product, differentiable in x as it is
+            return torch.nn.functional.linear(x.to(dtype), weight, bias).float()
         if torch.is_grad_enabled() and x.requires_grad:
             out = _ReducedFrozenLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -54,6 +54,7 @@ _TURN = pa.struct(
         ("response_ids", pa.list_(pa.int32())),
         ("logp_sample", pa.list_(pa.float64())),
         ("policy_version", pa.int64()),
+        ("grammar", pa.string()),
     ]
 )
 SCHEMA = pa.schema(
@@ -156,6 +157,7 @@ def _episode_row(ep: Episode) -> dict[str, Any]:
                 "response_ids": t.response_ids,
                 "logp_sample": t.logp_sample,
                 "policy_version": t.policy_version,
+                "grammar": t.grammar,
             }
             for t in ep.turns
         ],
@@ -196,6 +198,7 @@ def _row_episode(row: dict[str, Any]) -> Episode:
                 response_ids=t["response_ids"],
                 logp_sample=t["logp_sample"],
                 policy_version=t.get("policy_version") or 0,  # files written before versions were recorded
+                grammar=t.get("grammar"),
             )
             for t in row["turns"]
         ],

@@ -29,6 +29,7 @@ class Sample:
     trained: bool
     policy_version: int = 0  # the version of the policy that sampled it
     adapter: str | None = None  # its seat's adapter under per-role adapters (model.adapters), else None
+    grammar: str | None = None  # the grammar it was sampled under: its log-probs are that masked policy's
 
     @property
     def n_tokens(self) -> int:
@@ -211,6 +212,7 @@ def collect(
                         trained,
                         turn.policy_version,
                         adapter,
+                        turn.grammar,
                     )
                 )
             trajectories.append(ref)

@@ -16,7 +16,7 @@ import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from repertory.agents.lm import LIVE_ADAPTER
 from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
+from repertory.generation.core import end_of_turn_id, stop_token_ids
+from repertory.generation.grammar import grammar_masks
 from repertory.models import LoadedModel
 from repertory.models.adapters import per_row_adapters
 from repertory.models.linear import learner_precision
@@ -245,7 +247,7 @@ class Learner:
                 picked, logits = scorer(inputs, row_t, col_t)
         else:
             picked, logits = scorer(inputs, row_t, col_t)
-        logits = logits.float() / self.temperature
+        logits = _masked(logits.float() / self.temperature, [samples[i] for i, _ in owners], self.tokenizer)
         all_logp = torch.log_softmax(logits, dim=-1)
         token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
         logp = _split(token_logp, owners)
@@ -494,6 +496,21 @@ def _param_groups(policy: list[nn.Parameter], value: ValueModel | None, critic: 
             critic_params += [p for p in value.backbone.parameters() if p.requires_grad]
         groups.append({"params": critic_params, "lr": critic.lr})
     return groups
+
+
+def _masked(logits: torch.Tensor, owners: list[Sample], tokenizer: Any) -> torch.Tensor:
+    """``logits`` of the owners' response tokens (in order), with every token a sample's grammar did not allow at
+    a position set to -inf: a grammar-constrained turn's log-probs are the masked policy's, as sampled."""
+    if all(s.grammar is None for s in owners):
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    masks, start = grammar_masks(tokenizer, end_of_turn_id(tokenizer, stop_token_ids(tokenizer))), 0
+    for sample in owners:
+        n = len(sample.response_ids)
+        if sample.grammar is not None:
+            allowed[start : start + n] = masks.replay(sample.grammar, sample.response_ids, logits.shape[1])
+        start += n
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _pair_sequences(pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[PackedSequence]]:

@@ -96,7 +96,7 @@ class WarmPlan:
         episodes = []
         for index, (names, count) in enumerate(self.line_ups):
             bots: list[Agent] = [make_agent(name, cls) for name in names]
-            if rollout.constrained:
+            if rollout.constrained is True:  # a grammar's talk and tags are the bots' own
                 bots = [ConstrainedBot(bot) for bot in bots]
             specs = schedule(rollout.env, bots, count, 0, "train", iteration=index, env_options=rollout.env_options)
             episodes.extend(run_episodes(specs))

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 
 from repertory.envs.base import Bot, Env, KeyMetric
+from repertory.envs.grammar import Syntax
 from repertory.envs.kernels import SPLITS, generate_kernels
 from repertory.envs.parsing import PayloadError, clean, find_tags, parse_fields
 from repertory.envs.social import catalogue
@@ -96,8 +97,7 @@ def _draw(cat: catalogue.Catalogue, rng: random.Random, split: str) -> dict[str,
 def _user_kernels(directory: str, with_builtin: bool) -> dict[str, list[Kernel]]:
     """Every split's kernels of a user's catalogue, none for a split without scenarios (the pools are disjoint)."""
     cat = catalogue.load(directory, with_builtin)
-    splits = tuple(s for s in SPLITS if cat.pool(s))
-    kernels = generate_kernels(Social, draw=lambda rng, split: _draw(cat, rng, split), splits=splits)
+    kernels = generate_kernels(Social, draw=lambda r, s: _draw(cat, r, s), splits=tuple(filter(cat.pool, SPLITS)))
     return {split: kernels.get(split, []) for split in SPLITS}
 
 
@@ -108,10 +108,10 @@ def agreeable(view: dict[str, Any]) -> str:
     fields, conditions = view["fields"], view["conditions"]
     if not fields:
         return "I see your point. Let us find something that works for both of us."
-    if view["agreement"] is not None and _meets(view["agreement"], conditions):
+    if view["agreement"] is not None and catalogue.meets(view["agreement"], conditions):
         return "Glad we settled it. Goodbye! <leave/>"
     standing = view["standing"]
-    if standing is not None and standing["by"] != view["role"] and _meets(standing["offer"], conditions):
+    if standing is not None and standing["by"] != view["role"] and catalogue.meets(standing["offer"], conditions):
         return "That works for me. <accept/>"
     base = standing["offer"] if standing is not None else {}
     offer = {}
@@ -131,10 +131,6 @@ def agreeable(view: dict[str, Any]) -> str:
         fitting = [v for v in candidates if all(catalogue.holds(v, op, t) for _, op, t in mine)]
         offer[name] = (fitting or candidates)[0]
     return f"How about this? <propose>{json.dumps(offer)}</propose>"
-
-
-def _meets(offer: dict[str, Any], conditions: list[list[Any]]) -> bool:
-    return all(catalogue.holds(offer.get(f), op, v) for f, op, v in conditions)
 
 
 def quiet(view: dict[str, Any]) -> str:
@@ -335,6 +331,10 @@ class Social(Env):
         return "\n".join(lines)
 
     # -- parsing ----------------------------------------------------------------------------------
+
+    def action_syntax(self, role: str) -> Syntax | None:
+        can_accept = self.standing is not None and self.standing["by"] != role
+        return catalogue.agreement_syntax(self.fields, can_accept) if self.fields else None
 
     def parse(self, role: str, text: str) -> Parsed:
         visible = clean(text, self.max_chars(role))

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from repertory.envs.grammar import Syntax, integer, json_object, json_string, literal, one_of, tagged
 from repertory.types import RepertoryError
 
 CATEGORIES = ("cooperative", "competitive", "mixed")
@@ -111,6 +112,11 @@ class FieldSpec(_Strict):
             assert self.min is not None and self.max is not None
             return "" if self.min <= int(value) <= self.max else f"must be between {self.min} and {self.max}"
         return "" if value in (self.enum or []) else f"must be one of {', '.join(self.enum or [])}"
+
+    @property
+    def syntax(self) -> Syntax:
+        """The grammar of a valid value, as JSON."""
+        return json_string(self.enum) if self.enum is not None else integer(self.min or 0, self.max or 0)
 
     def describe(self) -> str:
         if self.is_int:
@@ -277,6 +283,18 @@ def load(directory: str | Path | None = None, with_builtin: bool = True) -> Cata
     if not catalogue.scenarios:
         raise RepertoryError("the catalogue has no scenarios")
     return catalogue
+
+
+def meets(offer: dict[str, Any], conditions: list[list[Any]]) -> bool:
+    """Whether an agreement ``offer`` meets every condition ``[field, op, target]``."""
+    return all(holds(offer.get(f), op, v) for f, op, v in conditions)
+
+
+def agreement_syntax(fields: dict[str, FieldSpec], can_accept: bool) -> Syntax:
+    """Under a grammar a turn with an agreement to reach ends in a proposal with every field, or in accepting the
+    standing one (where the seat may)."""
+    proposal = tagged("propose", json_object([(name, spec.syntax) for name, spec in fields.items()]))
+    return one_of([proposal, literal("<accept/>")] if can_accept else [proposal])
 
 
 def holds(value: Any, op: str, target: Any) -> bool:

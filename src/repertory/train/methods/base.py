@@ -89,7 +89,7 @@ class RoundContext:
     learner: Learner
     backend: Backend
     params: SamplingParams
-    constrained: bool
+    constrained: bool | str
     run_dir: RunDir
     seed: int
     algo: AlgoConfig
@@ -129,7 +129,7 @@ class RoundContext:
     def _constraint(self, state: tuple[Env, str] | None) -> TokenTrie | None:
         """Candidates are sampled as the policy was deployed: constrained to the state's valid actions where
         ``rollout.constrained`` and the action set is finite."""
-        if state is None or not self.constrained:
+        if state is None or self.constrained is not True:
             return None
         env, role = state
         choices = env.action_choices(role)
