@@ -318,3 +318,29 @@ def test_a_per_role_run_on_vllm_samples_what_its_learner_scores(tmp_path, tokeni
     # iteration 1 is sampled after an update that moved the two roles' adapters apart: a row on the wrong
     # adapter, or a role adapter left at its old version, would open the gap
     assert lines[1]["kl"] > 0 and all(line["offpolicy/max_gap"] < 1e-3 for line in lines)
+
+
+def test_rows_under_a_grammar_parse_and_record_the_masked_policy(tokenizer):
+    """The row processor masks a grammar's rows with the hf backend's masks and records the masked normaliser:
+    every row parses, and its log-probs are the teacher-forced masked policy's."""
+    from repertory.envs import load_kernels, make
+    from repertory.envs.grammar import turn_grammar
+    from repertory.generation.grammar import grammar_masks
+
+    loaded = tiny_model(tokenizer, layers=2, hidden=HIDDEN, seed=7)
+    backend = make_backend("vllm", loaded)
+    env = make("ultimatum")
+    env.reset(load_kernels("ultimatum", "train")[0], 0)
+    role = env.roles[0]
+    grammar = turn_grammar(env.action_syntax(role), 48, env.max_chars(role))
+    prompt = tokenizer.encode("Make an offer.")
+    generated = backend.generate(rows([prompt] * 3, [1, 2, 3], constraints=[grammar] * 3), SamplingParams(max_new_tokens=48))
+    masks = grammar_masks(tokenizer, backend.end_of_turn_id)
+    for g in generated:
+        assert g.finish == "stop" and not env.parse(role, backend.decode(g.response_ids)).invalid
+        with torch.no_grad():
+            logits = loaded.model(torch.tensor([prompt + g.response_ids])).logits[0, len(prompt) - 1 : -1].float()
+        allowed = masks.replay(grammar.dumps(), g.response_ids, logits.shape[1])
+        logp = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        assert gap([float(logp[j, t]) for j, t in enumerate(g.response_ids)], g.logp_sample) < TOL
+    backend.close()
