@@ -334,7 +334,8 @@ def test_rows_under_a_grammar_parse_and_record_the_masked_policy(tokenizer):
     role = env.roles[0]
     grammar = turn_grammar(env.action_syntax(role), 48, env.max_chars(role))
     prompt = tokenizer.encode("Make an offer.")
-    generated = backend.generate(rows([prompt] * 3, [1, 2, 3], constraints=[grammar] * 3), SamplingParams(max_new_tokens=48))
+    params = SamplingParams(max_new_tokens=48)
+    generated = backend.generate(rows([prompt] * 3, [1, 2, 3], constraints=[grammar] * 3), params)
     masks = grammar_masks(tokenizer, backend.end_of_turn_id)
     for g in generated:
         assert g.finish == "stop" and not env.parse(role, backend.decode(g.response_ids)).invalid
