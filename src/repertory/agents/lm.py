@@ -83,7 +83,8 @@ class LMAgent:
         for r in requests:
             seed = derive(self.seed, r.episode_id, r.seat, r.turn_index, "sampler", *([r.attempt] if r.attempt else []))
             constraint = self._constraint(r)
-            enough = _visible_text_exceeds(r.max_chars) if r.max_chars is not None else None
+            bounded = r.max_chars is None or isinstance(constraint, TurnGrammar)  # a grammar bounds its own text
+            enough = None if bounded else _visible_text_exceeds(r.max_chars)
             if self.watch is not None:
                 enough = _watched(self.watch, r, enough)
             key = (self.name, r.episode_id, r.seat)

@@ -23,17 +23,16 @@ constrains only finite action sets (token tries), False nothing."""
 
 @dataclass(frozen=True)
 class Syntax:
-    """A Lark expression and the most characters (ASCII: also bytes and tokens) a text it matches can have."""
+    """A Lark expression and the most bytes of UTF-8 a text it matches can have (so also the most characters,
+    and the most tokens: no token is empty)."""
 
     lark: str
     max_chars: int
 
 
 def literal(text: str) -> Syntax:
-    """Exactly ``text`` (ASCII)."""
-    if not text.isascii():
-        raise RepertoryError(f"a grammar literal must be ASCII, got {text!r}")
-    return Syntax(json.dumps(text), len(text))
+    """Exactly ``text``."""
+    return Syntax(json.dumps(text, ensure_ascii=False), len(text.encode()))
 
 
 def one_of(options: Sequence[Syntax]) -> Syntax:

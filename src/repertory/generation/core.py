@@ -86,7 +86,7 @@ class GenerationRequest:
 
     ``seed`` alone drives the row's randomness (its tokens do not depend on the other rows of the call);
     ``constraint`` restricts it to a trie of complete responses, or to a grammar (its log-probs are then the
-    masked policy's, and its ``enough`` is ignored: the row ends where the grammar's action does);
+    masked policy's, and its ``enough`` only watches: the row ends where the grammar's action does);
     ``cache_key`` names the kept prefix it reuses and extends; ``enough(text)`` ends it early (finish "length")
     once more text would be wasted; ``adapter`` names the policy version that samples it: SYNCED the synced
     policy as it is (under LoRA, its live adapter), None the base with the adapters off, a str that LoRA adapter

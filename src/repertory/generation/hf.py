@@ -7,7 +7,8 @@ leave as soon as they finish, so a caller that turns a finished row into its nex
 an episode steps as soon as its seats have answered) never waits for the batch's slowest row. ``generate`` is
 a stream that is handed every row at once and run until it is empty. For every sampled token it records
 ``log softmax(logits / T)[token]`` over the full vocabulary — the quantity the learner recomputes
-(docs/algorithms.md 1.2) — also when top-p or a constraint restricted what could be drawn.
+(docs/algorithms.md 1.2) — also when top-p or a trie restricted what could be drawn; under a grammar, over the
+tokens the grammar allows (the masked policy, which the learner recomputes by replaying the grammar).
 
 Memory: keys and values in flight and kept prefixes share one budget (``kv_memory_mb``; 2 GiB on a CPU, a
 quarter of the device on a GPU). A row joins only while the padded cache of the batch, each row reserving its

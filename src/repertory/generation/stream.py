@@ -146,6 +146,8 @@ class DecodeStream:
         """Queue a row (its adapter SYNCED: the stream's); its ticket names it in ``step``'s results."""
         prompt, constraint, grammar = request.prompt_ids, request.constraint, None
         if isinstance(constraint, TurnGrammar):
+            if self.params.stop:
+                raise RepertoryError("a row under a grammar ends where its action does: sample it without stop strings")
             grammar = grammar_masks(self.backend.tokenizer, self.backend.end_of_turn_id).start(constraint)
             constraint = None
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
@@ -166,7 +168,7 @@ class DecodeStream:
                 rng,
                 constraint,
                 request.cache_key,
-                None if grammar else request.enough,  # a grammar's row ends where its action does
+                request.enough,
                 budget,
                 adapter=adapter,
                 grammar=grammar,
@@ -320,8 +322,8 @@ class DecodeStream:
                 row.finish = "stop"
             elif len(row.tokens) >= params.max_new_tokens:
                 row.finish = "length"
-            elif checked and row.enough(backend.decode(row.tokens)):  # type: ignore[misc]
-                row.finish = "length"
+            elif checked and row.enough(backend.decode(row.tokens)) and row.grammar is None:  # type: ignore[misc]
+                row.finish = "length"  # a grammar's row ends where its action does: its check only watches
             else:
                 forced = [] if params.stop else backend._forced(row.node, params.max_new_tokens - len(row.tokens))
                 row.chunk = [token, *forced]

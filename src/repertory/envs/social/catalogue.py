@@ -291,10 +291,11 @@ def meets(offer: dict[str, Any], conditions: list[list[Any]]) -> bool:
 
 
 def agreement_syntax(fields: dict[str, FieldSpec], can_accept: bool) -> Syntax:
-    """Under a grammar a turn with an agreement to reach ends in a proposal with every field, or in accepting the
-    standing one (where the seat may)."""
+    """Under a grammar a turn with an agreement to reach ends in a proposal with every field, in accepting the
+    standing one (where the seat may), or in passing or leaving (so that the conversation can still end)."""
     proposal = tagged("propose", json_object([(name, spec.syntax) for name, spec in fields.items()]))
-    return one_of([proposal, literal("<accept/>")] if can_accept else [proposal])
+    moves = ["<accept/>", "<pass/>", "<leave/>"] if can_accept else ["<pass/>", "<leave/>"]
+    return one_of([proposal, *map(literal, moves)])
 
 
 def holds(value: Any, op: str, target: Any) -> bool:
