@@ -87,7 +87,7 @@ def _fuzz(masks, grammar: TurnGrammar, rng: torch.Generator, budget: int) -> lis
     """A response drawn token by token, uniformly among the tokens the grammar allows (the random model)."""
     row, tokens = masks.start(grammar), []
     while not tokens or tokens[-1] != masks.end_of_turn_id:
-        allowed = row.allowed().nonzero().flatten()
+        allowed = row.allowed(masks.vocab).nonzero().flatten()
         tokens.append(int(allowed[torch.randint(len(allowed), (1,), generator=rng)]))
         row.advance(tokens[-1])
         assert len(tokens) <= budget

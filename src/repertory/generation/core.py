@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
 
 from repertory.envs.grammar import TurnGrammar
+from repertory.generation.grammar import GrammarRow, grammar_masks
 
 ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
 
@@ -119,6 +120,10 @@ class TokenizedChoices:
             encoded = [self.tokenizer.encode(c, add_special_tokens=False) + [self.end_of_turn_id] for c in key]
             self._tries[key] = TokenTrie.build(encoded)
         return self._tries[key]
+
+    def start_grammar(self, grammar: TurnGrammar) -> GrammarRow:
+        """A row's grammar state at its first token (the tokenizer's masks are built once, then cached)."""
+        return grammar_masks(self.tokenizer, self.end_of_turn_id).start(grammar)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of response tokens, without special tokens such as the end-of-turn token."""

@@ -43,7 +43,7 @@ class GrammarMasks:
         them under the grammar a turn ``recorded`` (``TurnGrammar.dumps``)."""
         row, out = self.start(TurnGrammar.loads(recorded)), torch.zeros((len(tokens), width), dtype=torch.bool)
         for j, token in enumerate(tokens):
-            out[j, : self.vocab] = row.allowed()
+            out[j] = row.allowed(width)
             row.advance(token)
         return out
 
@@ -69,8 +69,9 @@ class GrammarRow:
         self.talk_left = grammar.talk_bytes
         self.talking = True
 
-    def allowed(self) -> torch.Tensor:
-        """The tokens that keep the row within its grammar and its talk bound (bool, [vocab])."""
+    def allowed(self, width: int) -> torch.Tensor:
+        """The tokens that keep the row within its grammar and its talk bound (bool, [width]: the logits' width,
+        which may pad the vocabulary; padding is never allowed)."""
         packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(packed, bitorder="little")[: self.masks.vocab].view(np.bool_)
         self._check("the grammar has no next token")
@@ -81,7 +82,9 @@ class GrammarRow:
             if not fits.any():  # a character split over tokens is finished, by its shortest end
                 fits = allowed & (self.masks.talk_bytes == self.masks.talk_bytes[allowed].min())
             allowed = fits
-        return torch.from_numpy(allowed)
+        out = torch.zeros(width, dtype=torch.bool)
+        out[: self.masks.vocab] = torch.from_numpy(allowed)
+        return out
 
     def advance(self, token: int) -> None:
         """Take ``token`` (one that :meth:`allowed` allowed)."""

@@ -335,9 +335,7 @@ class HFBackend(TokenizedChoices):
         scores = logp_full.clone()
         for row, limit in enumerate(limits):
             if isinstance(limit, GrammarRow):
-                allowed = torch.zeros(scores.shape[1], dtype=torch.bool)
-                allowed[: limit.masks.vocab] = limit.allowed()
-                scores[row].masked_fill_(~allowed.to(scores.device), float("-inf"))
+                scores[row].masked_fill_(~limit.allowed(scores.shape[1]).to(scores.device), float("-inf"))
                 logp_full[row] = scores[row] - torch.logsumexp(scores[row], dim=0)
             elif limit is not None and limit.children:
                 allowed = torch.tensor(list(limit.children), device=scores.device)

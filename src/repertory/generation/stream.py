@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from repertory.envs.grammar import TurnGrammar
 from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, SamplingParams, TokenTrie
-from repertory.generation.grammar import GrammarRow, grammar_masks
+from repertory.generation.grammar import GrammarRow
 from repertory.generation.kvcache import (
     PAGE,
     Hit,
@@ -148,7 +148,7 @@ class DecodeStream:
         if isinstance(constraint, TurnGrammar):
             if self.params.stop:
                 raise RepertoryError("a row under a grammar ends where its action does: sample it without stop strings")
-            grammar = grammar_masks(self.backend.tokenizer, self.backend.end_of_turn_id).start(constraint)
+            grammar = self.backend.start_grammar(constraint)
             constraint = None
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
         need = self._need_alone(len(prompt) + budget)

@@ -69,7 +69,7 @@ from repertory.generation.core import (
     end_of_turn_id,
     stop_token_ids,
 )
-from repertory.generation.grammar import GrammarRow, grammar_masks
+from repertory.generation.grammar import GrammarRow
 from repertory.models import LoadedModel, base_weights, weights
 from repertory.models.adapters import merged_weights
 from repertory.types import RepertoryError
@@ -111,9 +111,7 @@ class _Row:
         for token in output_ids[self.taken :]:
             self.grammar.advance(token)
         self.taken = len(output_ids)
-        allowed = torch.zeros(width, dtype=torch.bool)
-        allowed[: self.grammar.masks.vocab] = self.grammar.allowed()
-        return allowed
+        return self.grammar.allowed(width)
 
 
 _ROWS: dict[str, _Row] = {}
@@ -296,8 +294,7 @@ class VLLMBackend(TokenizedChoices):
         action does, so no ``enough``)."""
         constraint = request.constraint
         if isinstance(constraint, TurnGrammar):
-            grammar = grammar_masks(self.tokenizer, self.end_of_turn_id).start(constraint)
-            return _Row(temperature, None, None, self.decode, self.end_of_turn_id, grammar)
+            return _Row(temperature, None, None, self.decode, self.end_of_turn_id, self.start_grammar(constraint))
         return _Row(temperature, constraint, request.enough, self.decode, self.end_of_turn_id)
 
     def _sampling_params(self, params: SamplingParams, seed: int, key: str) -> VLLMSamplingParams:

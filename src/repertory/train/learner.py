@@ -16,7 +16,7 @@ import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -27,7 +27,7 @@ from repertory.agents.lm import LIVE_ADAPTER
 from repertory.algos import losses
 from repertory.config import AlgoConfig, CriticConfig, LoraConfig
 from repertory.generation.core import end_of_turn_id, stop_token_ids
-from repertory.generation.grammar import grammar_masks
+from repertory.generation.grammar import GrammarMasks, grammar_masks
 from repertory.models import LoadedModel
 from repertory.models.adapters import per_row_adapters
 from repertory.models.linear import learner_precision
@@ -203,6 +203,11 @@ class Learner:
         """Every parameter the optimizer updates (policy first, then the critic's)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    @functools.cached_property
+    def grammar_masks(self) -> GrammarMasks:
+        """The tokenizer's grammar masks, as the samplers have them (built at the first grammar-constrained turn)."""
+        return grammar_masks(self.tokenizer, end_of_turn_id(self.tokenizer, stop_token_ids(self.tokenizer)))
+
     # forward passes
 
     def _forward(
@@ -247,7 +252,9 @@ class Learner:
                 picked, logits = scorer(inputs, row_t, col_t)
         else:
             picked, logits = scorer(inputs, row_t, col_t)
-        logits = _masked(logits.float() / self.temperature, [samples[i] for i, _ in owners], self.tokenizer)
+        logits = logits.float() / self.temperature
+        if any(samples[i].grammar is not None for i, _ in owners):
+            logits = _masked(logits, [samples[i] for i, _ in owners], self.grammar_masks)
         all_logp = torch.log_softmax(logits, dim=-1)
         token_logp = all_logp.gather(1, torch.tensor(targets, device=self.device).unsqueeze(1)).squeeze(1)
         logp = _split(token_logp, owners)
@@ -498,13 +505,10 @@ def _param_groups(policy: list[nn.Parameter], value: ValueModel | None, critic: 
     return groups
 
 
-def _masked(logits: torch.Tensor, owners: list[Sample], tokenizer: Any) -> torch.Tensor:
+def _masked(logits: torch.Tensor, owners: list[Sample], masks: GrammarMasks) -> torch.Tensor:
     """``logits`` of the owners' response tokens (in order), with every token a sample's grammar did not allow at
     a position set to -inf: a grammar-constrained turn's log-probs are the masked policy's, as sampled."""
-    if all(s.grammar is None for s in owners):
-        return logits
-    allowed = torch.ones(logits.shape, dtype=torch.bool)
-    masks, start = grammar_masks(tokenizer, end_of_turn_id(tokenizer, stop_token_ids(tokenizer))), 0
+    allowed, start = torch.ones(logits.shape, dtype=torch.bool), 0
     for sample in owners:
         n = len(sample.response_ids)
         if sample.grammar is not None:
