@@ -212,6 +212,8 @@ def _ids_row(**fields):
         ([_ids_row(), _ids_row(t=1, outcome=0.5)], "episode 'e' has more than one outcome"),
         ([_ids_row(ret=float("nan"))], "row 0: ret must be a finite number"),
         ([_ids_row(response_ids=[10**9])], "row 0: token ids outside the policy's vocabulary"),
+        ([_ids_row(grammar="start: action")], "row 0: grammar is not a turn grammar"),
+        ([_ids_row(grammar='{"lark": "start: x", "talk_bytes": -1}')], "row 0: grammar is not a turn grammar"),
     ],
 )
 def test_inconsistent_logs_are_refused(tmp_path, tokenizer, rows, message):
@@ -524,6 +526,36 @@ def test_igrpo_candidates_follow_the_deployment_constraint(tmp_path, tokenizer, 
     assert metrics["igrpo/gated_rate"] == 0.0
 
 
+def test_round_methods_sample_and_score_under_the_deployed_grammar(tmp_path, tokenizer, monkeypatch):
+    """Under ``rollout.constrained: grammar`` the logged turns keep their grammar (on disk too), I-GRPO's
+    candidates are sampled under it and parse, and the learner scores them as sampled (within 1e-4), where a
+    learner blind to the grammar scores another policy."""
+    config = _config(tmp_path, "grammar", "rollout.constrained=grammar", "rollout.max_new_tokens=24")
+    trainer = start_run(config, tiny_model(tokenizer, seed=1))
+    turns, episodes = trainer.deploy(0)
+    by_id = {ep.episode_id: ep for ep in episodes}
+    assert turns and all(t.grammar for t in turns)
+    write_turns(tmp_path / "turns.parquet", turns)
+    assert [t.grammar for t in read_turns(tmp_path / "turns.parquet", tokenizer, 0.95)] == [t.grammar for t in turns]
+    states, n = turns[:3], 2
+    generations, replayed = trainer.context.sample(states, by_id, n, ("test",))
+    for j, generation in enumerate(generations):
+        env, role = replayed[j // n]
+        assert not env.parse(role, tokenizer.decode(generation.response_ids, skip_special_tokens=True)).invalid
+    pairs = [(x.prompt_ids, g.response_ids) for j, x in enumerate(states) for g in generations[j * n : (j + 1) * n]]
+    grammars = [trainer.context.grammar(x) for x in states for _ in range(n)]
+    sampled = [torch.tensor(g.logp_sample) for g in generations]
+    masked = trainer.learner.token_logps(pairs, grammars=grammars)
+    assert max(float((a - b).abs().max()) for a, b in zip(masked, sampled)) <= 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip(trainer.learner.token_logps(pairs), sampled)) > 0.1
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", lambda *a, **k: {})
+    captured = []
+    monkeypatch.setattr(trainer.learner, "update", lambda batch, *a, **k: captured.append(batch) or {})
+    metrics = _improve(trainer, 0, states, by_id, 1)
+    assert metrics["igrpo/gated_rate"] == 0.0
+    assert [s.grammar for b in captured for s in b.samples] == [t.grammar for t in states for _ in range(4)]
+
+
 # the baselines' data rules
 
 
@@ -535,7 +567,7 @@ def test_mt_sft_keeps_the_conversations_at_the_quantile(tmp_path, tokenizer, mon
         if turn.t == 0:
             turn.ret = returns[int(turn.episode_id[1:])]
     trained = []
-    monkeypatch.setattr(trainer.learner, "backward_on", lambda pairs, loss_of: trained.extend(pairs) or 0.0)
+    monkeypatch.setattr(trainer.learner, "backward_on", lambda pairs, loss_of, _: trained.extend(pairs) or 0.0)
     monkeypatch.setattr(trainer.learner, "optimizer_step", lambda: 0.0)
     metrics = _improve(trainer, 0, turns, {}, 1)
     assert metrics["sft/cutoff"] == pytest.approx(0.58, abs=1e-9)
@@ -668,7 +700,7 @@ def test_archer_actor_step_is_advantage_weighted_sequence_log_prob(tmp_path, tok
         v1, v2 = critic.heads.values(h_s)
     advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2)).tolist()
     seq = [float(x.sum()) for x in trainer.learner.token_logps(list(zip(states, actions)))]
-    loss, adv = trainer.method.actor_step(trainer.learner, states, actions)
+    loss, adv = trainer.method.actor_step(trainer.learner, states, actions, [None, None])
     assert adv == pytest.approx(advantages, abs=1e-6)
     assert loss == pytest.approx(-sum(a * lp for a, lp in zip(advantages, seq)) / 2, rel=1e-4)  # R2 per state
 

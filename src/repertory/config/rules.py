@@ -176,11 +176,6 @@ RULES: tuple[Rule, ...] = (
         "method kind {kind}", "method.logs", "it learns from deployed conversations, not from served logs",
         lambda s: _rounds(s) and bool(s.config.method.logs) and not s.config.method.from_logs,
     ),
-    Rule(
-        ROUND_METHOD, "rollout.constrained grammar",
-        "its candidates are scored without the grammar's masks yet; use rollout.constrained true or false",
-        lambda s: _rounds(s) and s.config.rollout.constrained == "grammar",
-    ),
     # Several processes, each a replica of the learner (train/distributed.py).
     Rule(
         DATA_PARALLEL, ROUND_METHOD, "it runs an online method in step on every process",

@@ -119,7 +119,15 @@ class TurnGrammar:
 
     @classmethod
     def loads(cls, text: str) -> TurnGrammar:
-        return cls(**json.loads(text))
+        """The grammar :meth:`dumps` wrote; anything else is refused."""
+        try:
+            fields = json.loads(text)
+            grammar = cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise RepertoryError(f"not a turn grammar ({exc}): {str(text)[:80]!r}") from None
+        if not isinstance(grammar.lark, str) or type(grammar.talk_bytes) is not int or grammar.talk_bytes < 0:
+            raise RepertoryError(f"not a turn grammar (lark must be text, talk_bytes a count): {str(text)[:80]!r}")
+        return grammar
 
 
 def turn_grammar(action: Syntax, max_new_tokens: int, max_chars: int) -> TurnGrammar:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from repertory.envs.grammar import TurnGrammar
 from repertory.store import MESSAGE_TYPE, row_messages, write_table
 from repertory.types import Message, RepertoryError, message_dicts
 
@@ -38,6 +39,7 @@ class LoggedTurn:
     logp_sample: list[float] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     response: str = ""
+    grammar: str | None = None  # the grammar it was sampled under (``rollout.constrained: grammar``), else None
 
 
 TURN_SCHEMA = pa.schema(
@@ -56,6 +58,7 @@ TURN_SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),
         ("logp_sample", pa.list_(pa.float64())),
+        ("grammar", pa.string()),
     ]
 )
 
@@ -125,46 +128,51 @@ def turns_from_rows(
             raise RepertoryError(f"{where} logs the same turn t twice")
     out = []
     for n, row in enumerate(rows):
-        where = f"{path}, row {n}"
-        outcome = row["outcome"]
-        if not isinstance(outcome, (int, float)) or not math.isfinite(outcome):
-            raise RepertoryError(f"{where}: outcome must be a finite number (got {outcome!r})")
-        T = (
-            int(row["T"])
-            if row.get("T") is not None
-            else max(int(rows[k]["t"]) for k in episodes[str(row["episode_id"]), row.get("seat_id") or "p0"])
-        )
-        t = int(row["t"])
-        if not 0 <= t <= T:
-            raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
-        messages = row_messages(row.get("messages") or [])
-        if has_ids and row.get("prompt_ids") and row.get("response_ids"):
-            prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
-            if not all(0 <= i < vocabulary for i in prompt + response):
-                raise RepertoryError(f"{where}: token ids outside the policy's vocabulary (0..{vocabulary - 1})")
-        elif messages and row.get("response") is not None:
-            prompt, response = render(messages, row["response"])
-        else:
-            raise RepertoryError(f"{where}: no prompt_ids/response_ids and no messages/response")
-        ret = row.get("ret")
-        if ret is not None and (not isinstance(ret, (int, float)) or not math.isfinite(ret)):
-            raise RepertoryError(f"{where}: ret must be a finite number (got {ret!r})")
-        out.append(
-            LoggedTurn(
-                episode_id=str(row["episode_id"]),
-                kernel_id=str(row["kernel_id"]),
-                t=t,
-                T=T,
-                prompt_ids=prompt,
-                response_ids=response,
-                outcome=float(outcome),
-                ret=float(ret) if ret is not None else gamma ** (T - t) * float(outcome),
-                round=int(row.get("round") or 0),
-                seat_id=row.get("seat_id") or "p0",
-                policy_id=row.get("policy_id") or "logged",
-                logp_sample=list(row.get("logp_sample") or []),
-                messages=messages,
-                response=row.get("response") or "",
-            )
-        )
+        own = episodes[str(row["episode_id"]), row.get("seat_id") or "p0"]
+        last = int(row["T"]) if row.get("T") is not None else max(int(rows[k]["t"]) for k in own)
+        out.append(_turn(row, last, f"{path}, row {n}", has_ids, gamma, vocabulary, render))
     return out
+
+
+def _turn(row: dict, T: int, where: str, has_ids: bool, gamma: float, vocabulary: int, render: Render) -> LoggedTurn:
+    """One validated row as a logged turn whose conversation's last turn is ``T``; ``where`` names it in errors."""
+    outcome = row["outcome"]
+    if not isinstance(outcome, (int, float)) or not math.isfinite(outcome):
+        raise RepertoryError(f"{where}: outcome must be a finite number (got {outcome!r})")
+    t = int(row["t"])
+    if not 0 <= t <= T:
+        raise RepertoryError(f"{where}: t = {t} is outside 0..T = {T}")
+    messages = row_messages(row.get("messages") or [])
+    if has_ids and row.get("prompt_ids") and row.get("response_ids"):
+        prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
+        if not all(0 <= i < vocabulary for i in prompt + response):
+            raise RepertoryError(f"{where}: token ids outside the policy's vocabulary (0..{vocabulary - 1})")
+    elif messages and row.get("response") is not None:
+        prompt, response = render(messages, row["response"])
+    else:
+        raise RepertoryError(f"{where}: no prompt_ids/response_ids and no messages/response")
+    ret = row.get("ret")
+    if ret is not None and (not isinstance(ret, (int, float)) or not math.isfinite(ret)):
+        raise RepertoryError(f"{where}: ret must be a finite number (got {ret!r})")
+    if row.get("grammar") is not None:
+        try:
+            TurnGrammar.loads(row["grammar"])
+        except RepertoryError as exc:
+            raise RepertoryError(f"{where}: grammar is {exc}") from None
+    return LoggedTurn(
+        episode_id=str(row["episode_id"]),
+        kernel_id=str(row["kernel_id"]),
+        t=t,
+        T=T,
+        prompt_ids=prompt,
+        response_ids=response,
+        outcome=float(outcome),
+        ret=float(ret) if ret is not None else gamma ** (T - t) * float(outcome),
+        round=int(row.get("round") or 0),
+        seat_id=row.get("seat_id") or "p0",
+        policy_id=row.get("policy_id") or "logged",
+        logp_sample=list(row.get("logp_sample") or []),
+        messages=messages,
+        response=row.get("response") or "",
+        grammar=row.get("grammar"),
+    )

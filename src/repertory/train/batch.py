@@ -234,11 +234,19 @@ def _pack(samples: list[tuple[int, Sample]], packing: bool) -> list[PackedSequen
 
 
 def single_turn_batch(
-    prompts: list[list[int]], responses: list[list[int]], advantages: list[float]
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    advantages: list[float],
+    grammars: list[str | None] | None = None,
 ) -> tuple[Batch, dict[int, torch.Tensor]]:
-    """One learner sample per (prompt, response), its advantage on every token. Consecutive samples with the
-    same prompt (a state's candidates) share one tree sequence, so the prompt is encoded once for all of them."""
-    samples = [Sample(i, 0, list(p), list(r), [], bool(r)) for i, (p, r) in enumerate(zip(prompts, responses))]
+    """One learner sample per (prompt, response), its advantage on every token, scored under its grammar (the
+    masked policy; ``grammars`` None: none has one). Consecutive samples with the same prompt (a state's
+    candidates) share one tree sequence, so the prompt is encoded once for all of them."""
+    grammars = grammars or [None] * len(prompts)
+    samples = [
+        Sample(i, 0, list(p), list(r), [], bool(r), grammar=g)
+        for i, (p, r, g) in enumerate(zip(prompts, responses, grammars, strict=True))
+    ]
     sequences = []
     for _, group in itertools.groupby((i for i, s in enumerate(samples) if s.trained), lambda i: samples[i].prompt_ids):
         members = list(group)

@@ -45,6 +45,8 @@ from repertory.types import derive
 if TYPE_CHECKING:  # the learner reads the adapters' names; each sample carries its own (train/batch.py)
     from repertory.envs.roles import RoleAdapters
 
+Pair = tuple[list[int], list[int]]
+"""A (prompt ids, response ids) pair the round methods score."""
 FLAT_LOGP_TOL = 1e-5  # policy and reference log-probs this close are the same policy up to float noise
 REUSED_GAP_TOL = 1e-4  # the exact sampler's float noise against the learner's packed rows (2-3e-5 measured)
 REFERENCE_ADAPTER = "reference"
@@ -287,9 +289,12 @@ class Learner:
         self.peft.set_adapter(LIVE_ADAPTER)
 
     @torch.no_grad()
-    def token_logps(self, pairs: list[tuple[list[int], list[int]]], reference: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference."""
-        samples, sequences = _pair_sequences(pairs)
+    def token_logps(
+        self, pairs: list[Pair], reference: bool = False, grammars: list[str | None] | None = None
+    ) -> list[torch.Tensor]:
+        """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference, masked by
+        its grammar where ``grammars`` gives one."""
+        samples, sequences = _pair_sequences(pairs, grammars)
         out: dict[int, torch.Tensor] = {}
         for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             out.update(self._forward(micro, samples, reference=reference).logp)
@@ -297,13 +302,15 @@ class Learner:
 
     def backward_on(
         self,
-        pairs: list[tuple[list[int], list[int]]],
+        pairs: list[Pair],
         loss_of: Callable[[list[int], list[torch.Tensor]], torch.Tensor],
+        grammars: list[str | None] | None = None,
     ) -> float:
         """Accumulate the gradient of a loss over (prompt, response) pairs one micro-batch at a time:
-        ``loss_of(indices, token_logps)`` is a micro-batch's share of the loss (the caller normalises). Returns
-        the summed loss; call :meth:`optimizer_step` after."""
-        samples, sequences = _pair_sequences(pairs)
+        ``loss_of(indices, token_logps)`` is a micro-batch's share of the loss (the caller normalises), its
+        log-probs masked by each pair's grammar as in :meth:`token_logps`. Returns the summed loss; call
+        :meth:`optimizer_step` after."""
+        samples, sequences = _pair_sequences(pairs, grammars)
         total = 0.0
         for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             logp = self._forward(micro, samples).logp
@@ -517,9 +524,13 @@ def _masked(logits: torch.Tensor, owners: list[Sample], masks: GrammarMasks) -> 
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def _pair_sequences(pairs: list[tuple[list[int], list[int]]]) -> tuple[list[Sample], list[PackedSequence]]:
-    """(prompt ids, response ids) pairs as trained samples, one unpacked sequence each."""
-    samples = [Sample(0, 0, prompt, response, [], True) for prompt, response in pairs]
+def _pair_sequences(pairs: list[Pair], grammars: list[str | None] | None) -> tuple[list[Sample], list[PackedSequence]]:
+    """(prompt ids, response ids) pairs as trained samples under their grammars, one unpacked sequence each."""
+    grammars = grammars or [None] * len(pairs)
+    samples = [
+        Sample(0, 0, prompt, response, [], True, grammar=grammar)
+        for (prompt, response), grammar in zip(pairs, grammars, strict=True)
+    ]
     return samples, [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
 
 

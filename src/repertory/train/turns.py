@@ -47,6 +47,7 @@ def logged_turns(episodes: list[Episode], round_index: int, gamma: float) -> lis
                         logp_sample=list(turn.logp_sample),
                         messages=ep.prompt_messages(seat.seat_id, turn.turn_index),
                         response=turn.text,
+                        grammar=turn.grammar,
                     )
                 )
     return out

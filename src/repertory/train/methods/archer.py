@@ -105,7 +105,10 @@ class Archer(RoundMethod):
             states = [turns[i] for i in chunk]
             generations, _ = ctx.sample(states, episodes, 1, (round_index, "archer-actor"))
             loss, adv = self.actor_step(
-                ctx.learner, [x.prompt_ids for x in states], [g.response_ids for g in generations]
+                ctx.learner,
+                [x.prompt_ids for x in states],
+                [g.response_ids for g in generations],
+                [ctx.grammar(x) for x in states],
             )
             ctx.publish()  # the next states' fresh samples come from the updated policy
             actor_losses.append(loss)
@@ -149,10 +152,11 @@ class Archer(RoundMethod):
         return total
 
     def actor_step(
-        self, learner: Learner, states: list[list[int]], actions: list[list[int]]
+        self, learner: Learner, states: list[list[int]], actions: list[list[int]], grammars: list[str | None]
     ) -> tuple[float, list[float]]:
         """One actor update (6.4): -mean_s [A * sum of log pi(a_pi | s)], A = min(Q1, Q2)(s, a_pi) - min(V1, V2)(s)
-        from the online critic, detached. Returns the loss and the advantages."""
+        from the online critic, detached, log pi under each action's grammar. Returns the loss and the
+        advantages."""
         critic = self.critic
         with torch.no_grad():
             h_s = critic.encode(states)
@@ -169,7 +173,7 @@ class Archer(RoundMethod):
             loss, _ = offline.archer_actor_loss(q1[rows], q2[rows], v1[rows], v2[rows], sums)
             return loss * (len(indices) / len(kept))
 
-        loss = learner.backward_on(pairs, loss_of)
+        loss = learner.backward_on(pairs, loss_of, [grammars[i] for i in kept])
         learner.optimizer_step()
         advantages = (torch.minimum(q1, q2) - torch.minimum(v1, v2))[kept].tolist()
         return loss, advantages

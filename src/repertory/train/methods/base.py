@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from repertory.config import METHOD_CONFIGS, AlgoConfig, CriticConfig, MethodConfig, method_kind, register_method_config
 from repertory.envs import Env
+from repertory.envs.grammar import GRAMMAR, TurnGrammar
 from repertory.envs.replay import replay
 from repertory.generation import Backend, Generation, GenerationRequest, SamplingParams, TokenTrie
 from repertory.models import LoadedModel
@@ -115,20 +116,29 @@ class RoundContext:
         self, states: list[LoggedTurn], episodes: dict[str, Episode], n: int, key: tuple
     ) -> tuple[list[Generation], list[tuple[Env, str] | None]]:
         """``n`` fresh responses of the live policy per logged state, sampled as deployed (constrained where the
-        deployment was), and each state's replayed referee (None without its conversation)."""
+        deployment was; under a grammar, the state's own: score them under :meth:`grammar`), and each state's
+        replayed referee (None without its conversation)."""
         replayed = [
             replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
         ]
         rows = [
             GenerationRequest(x.prompt_ids, derive(self.seed, *key, x.episode_id, x.t, c, "sample"), constraint)
-            for x, constraint in zip(states, map(self._constraint, replayed))
+            for x, constraint in zip(states, map(self._constraint, states, replayed))
             for c in range(n)
         ]
         return self.backend.generate(rows, self.params), replayed
 
-    def _constraint(self, state: tuple[Env, str] | None) -> TokenTrie | None:
-        """Candidates are sampled as the policy was deployed: constrained to the state's valid actions where
-        ``rollout.constrained`` and the action set is finite."""
+    def grammar(self, state: LoggedTurn) -> str | None:
+        """The grammar a response at ``state`` is sampled and scored under: the one the state was deployed under,
+        where the run deploys under grammars (a talk-only turn, or a user's logged turn, has none)."""
+        return state.grammar if self.constrained == GRAMMAR else None
+
+    def _constraint(self, logged: LoggedTurn, state: tuple[Env, str] | None) -> TokenTrie | TurnGrammar | None:
+        """Candidates are sampled as the policy was deployed: under the state's grammar, or constrained to its
+        valid actions where ``rollout.constrained`` is true and the action set is finite."""
+        grammar = self.grammar(logged)
+        if grammar is not None:
+            return TurnGrammar.loads(grammar)
         if state is None or self.constrained is not True:
             return None
         env, role = state

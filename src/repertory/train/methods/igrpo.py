@@ -79,7 +79,8 @@ class IGRPO(RoundMethod):
                     for a in offline.candidate_advantages(group, valid[j * n : (j + 1) * n], config.scale_advantages)
                 ]
                 prompts = [x.prompt_ids for x in states for _ in range(n)]
-                batch, adv = single_turn_batch(prompts, [g.response_ids for g in generations], advantages)
+                grammars = [ctx.grammar(x) for x in states for _ in range(n)]
+                batch, adv = single_turn_batch(prompts, [g.response_ids for g in generations], advantages, grammars)
                 if not batch.sequences:
                     continue
                 ctx.backend.offload()

@@ -42,7 +42,9 @@ class MTKTO(RoundMethod):
         metrics.update({"kto/desirable": float(n_d), "kto/undesirable": float(n_u), "kto/lambda_d": lambda_d})
         metrics["kto/lambda_u"] = lambda_u
         learner = ctx.learner
-        ref = [float(x.sum()) for x in learner.token_logps([(t.prompt_ids, t.response_ids) for t in samples], True)]
+        grammars = [ctx.grammar(t) for t in samples]
+        pairs = [(t.prompt_ids, t.response_ids) for t in samples]
+        ref = [float(x.sum()) for x in learner.token_logps(pairs, True, grammars)]
         losses = []
         for epoch in range(self.config.epochs):
             order = list(range(len(samples)))
@@ -59,8 +61,8 @@ class MTKTO(RoundMethod):
                     per = offline.kto_loss(r, mismatched.to(device), mask, self.config.beta, lambda_d, lambda_u)
                     return per.sum() / n
 
-                pairs = [(samples[i].prompt_ids, samples[i].response_ids) for i in chunk]
-                losses.append(learner.backward_on(pairs, loss_of))
+                chunk_pairs = [pairs[i] for i in chunk]
+                losses.append(learner.backward_on(chunk_pairs, loss_of, [grammars[i] for i in chunk]))
                 learner.optimizer_step()
         metrics["loss/kto"] = sum(losses) / len(losses)
         return metrics
@@ -68,7 +70,8 @@ class MTKTO(RoundMethod):
 
 def _mismatched(learner: Learner, chunk: list[LoggedTurn]) -> torch.Tensor:
     """Implied rewards of the mismatched pairs (x_i, y_{(i-1) mod n}) whose mean is KTO's reference point;
-    a lone sample has none (z0 = 0)."""
+    a lone sample has none (z0 = 0). They are scored without grammars: a response need not parse at another
+    turn's state."""
     if len(chunk) < 2:
         return torch.zeros(1)
     pairs = [(chunk[i].prompt_ids, chunk[i - 1].response_ids) for i in range(len(chunk))]

@@ -37,7 +37,10 @@ class MTSFT(RoundMethod):
             for chunk in chunks(order, self.config.batch_size):
                 pairs = [(kept[i].prompt_ids, kept[i].response_ids) for i in chunk]
                 n_tokens = sum(len(r) for _, r in pairs)
-                loss = ctx.learner.backward_on(pairs, lambda _, logps, n=n_tokens: -torch.cat(logps).sum() / n)
+                grammars = [ctx.grammar(kept[i]) for i in chunk]
+                loss = ctx.learner.backward_on(
+                    pairs, lambda _, logps, n=n_tokens: -torch.cat(logps).sum() / n, grammars
+                )
                 ctx.learner.optimizer_step()
                 losses.append(loss)
         if losses:

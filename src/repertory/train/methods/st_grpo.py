@@ -34,7 +34,10 @@ class STGRPO(RoundMethod):
                 advantage[key] = a
         flat = [t for convo in convos.values() for t in convo]
         batch, adv = single_turn_batch(
-            [t.prompt_ids for t in flat], [t.response_ids for t in flat], [advantage[conversation_of(t)] for t in flat]
+            [t.prompt_ids for t in flat],
+            [t.response_ids for t in flat],
+            [advantage[conversation_of(t)] for t in flat],
+            [ctx.grammar(t) for t in flat],
         )
         ctx.backend.offload()
         mismatch = ctx.learner.score(batch)
