@@ -914,6 +914,10 @@ def test_suite_recipe_validates_every_run():
             "selfplay: set must be a list of key=value strings",
         ),
         ("{recipe: default, methods: [selfplay], envs: [ipd], metric: elo}", "suite.metric"),
+        (
+            "{recipe: default, methods: [selfplay], envs: [ipd], env_set: {werewolf: [iterations=2]}}",
+            "env_set names werewolf, not among envs (ipd)",
+        ),
         ("{recipe: igrpo-craigslist, methods: [], envs: [craigslist]}", "suite.methods"),
         (
             "{recipe: igrpo-craigslist, methods: [igrpo], envs: [craigslist], warm_start: {bot: always-defect}}",
@@ -959,6 +963,19 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {(r.rollout.env, r.rollout.constrained, r.iterations) for r in rounds.values()} == {("craigslist", True, 3)}
     assert {r.method.kind for r in rounds.values()} == {"igrpo", "st-grpo", "mt-kto", "mt-sft"}
     assert rounds["igrpo-craigslist-s1"].method.q.features == "response_mean"
+    six = load_suite("igrpo-grammar-suite")
+    tables = {name: load_config(six.recipe, overrides) for name, overrides in suite_runs(six)}
+    assert len(tables) == 72 and {r.rollout.constrained for r in tables.values()} == {"grammar"}
+    # env_set reaches its environment's runs only: Job Interview's typed offer needs more tokens.
+    assert {n: r.rollout.max_new_tokens for n, r in tables.items() if n.endswith("-s0") and "igrpo" in n} == {
+        "igrpo-craigslist-s0": 128,
+        "igrpo-ultimatum-s0": 128,
+        "igrpo-deal-or-no-deal-s0": 128,
+        "igrpo-casino-s0": 128,
+        "igrpo-job-interview-s0": 192,
+        "igrpo-alliance-s0": 128,
+    }
+    assert {(r.eval.every, r.eval.episodes, r.selects_on_validation) for r in tables.values()} == {(0, 64, False)}
     omar = load_suite("omar-grid-suite")
     selfplay = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
     assert len(selfplay) == 6 and omar.metric == "outcome"
@@ -1044,10 +1061,28 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
         f"output_dir: {tmp_path / 'grid'}}}\n"
     )
     suite = load_suite(str(suite_file))
-    started = []
-    table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: started.append(n))
+    started, shared = [], {}
+    table = run_suite(
+        suite,
+        loaded=lambda: tiny_model(tokenizer, seed=6),
+        on_run=lambda n, t: started.append(n) or shared.update({n: t.start_evaluation is not None}),
+    )
     assert started == ["st-grpo-ipd-s0", "mt-sft-ipd-s0", "st-grpo-ipd-s1", "mt-sft-ipd-s1"]  # seed by seed
     assert table.methods == ["base", "mt-sft", "st-grpo"] and table.cells[("st-grpo", "ipd")][2] == 2
+    # A seed's second arm takes the first's iteration-0 evaluation, which is the one it would have played.
+    assert shared == {"st-grpo-ipd-s0": False, "mt-sft-ipd-s0": True, "st-grpo-ipd-s1": False, "mt-sft-ipd-s1": True}
+    first = {m: json.loads((tmp_path / "grid" / f"{m}-ipd-s0" / "metrics.jsonl").read_text().splitlines()[0])
+             for m in ("st-grpo", "mt-sft")}  # fmt: skip
+    own = start_run(
+        load_config(suite.recipe, dict(suite_runs(suite))["mt-sft-ipd-s0"] + [f"output_dir={tmp_path / 'alone'}"]),
+        tiny_model(tokenizer, seed=6),
+    ).due_evaluations(0)
+    assert (
+        {k: v for k, v in own.items() if k.startswith("eval/")}
+        == {k: v for k, v in first["mt-sft"].items() if k.startswith("eval/")}
+        == {k: v for k, v in first["st-grpo"].items() if k.startswith("eval/")}
+    )
+    assert "time/eval_s" in first["st-grpo"] and "time/eval_s" not in first["mt-sft"]
     assert (tmp_path / "grid" / "table.md").read_text() == table.markdown()
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))

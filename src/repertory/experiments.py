@@ -64,7 +64,7 @@ def suite_runs(suite: SuiteConfig) -> list[tuple[str, list[str]]]:
             for entry in suite.methods:
                 method, selected = suite.method_overrides(entry)
                 name = f"{method}-{env}-s{seed}"
-                overrides = [*suite.set, *selected, f"rollout.env={env}", f"seed={seed}"]
+                overrides = [*suite.set, *suite.env_set.get(env, []), *selected, f"rollout.env={env}", f"seed={seed}"]
                 if suite.warm_start is not None:
                     overrides += [f"warm_start.{k}={json.dumps(v)}" for k, v in suite.warm_start.model_dump().items()]
                 out.append((name, [*overrides, f"output_dir={suite.output_dir}", f"name={name}"]))
@@ -83,17 +83,23 @@ def run_suite(
     the output directory."""
     runs: list[RunDir] = []
     probed: list[dict[str, Any]] = []
+    starts: dict[str, dict[str, Any]] = {}  # start_key -> the iteration-0 evaluation an earlier run played
     kept = Path(suite.records or suite.output_dir)
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
         recorded = RunDir(kept / name)
+        config = load_config(suite.recipe, overrides)
         if suite.records is not None and not run_dir.is_run() and finished(recorded):
             runs.append(recorded)
         else:
-            _train(run_dir, load_config(suite.recipe, overrides), suite.warm_start is not None, loaded, on_run, on_line)
+            start = starts.get(start_key(config))
+            _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, start)
             runs.append(run_dir)
             if suite.records is not None:
                 keep_records(run_dir, kept)
+        played = start_evaluation(runs[-1])
+        if played:
+            starts.setdefault(start_key(config), played)
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
@@ -112,17 +118,37 @@ def _train(
     loaded: Callable[[], LoadedModel] | None,
     on_run: Callable[[str, Trainer], None] | None,
     on_line: Callable[[dict[str, Any]], None] | None,
+    start: dict[str, Any] | None = None,
 ) -> None:
-    """Start, resume or leave one run of a suite; it is finished on return."""
+    """Start, resume or leave one run of a suite, its iteration-0 evaluation ``start`` where another run played
+    it; it is finished on return."""
     model = loaded() if loaded is not None else None
     if run_dir.is_run():  # a warm-started run resumes from its exported policy, not the caller's model
         trainer = resume_run(run_dir, loaded=None if warm_started else model)
     else:
         trainer = start_run(config, model)
+    trainer.start_evaluation = start
     if on_run is not None:
         on_run(run_dir.name, trainer)
     if trainer.iteration < trainer.config.iterations:
         trainer.fit(on_line)
+
+
+def start_key(config: TrainConfig) -> str:
+    """What a run's iteration-0 evaluation depends on: its whole config but its name and its method's and
+    learner's settings, save the discount its J is taken at. Before the first update every method's policy is
+    the model (or the suite's warm start; LoRA starts at zero), evaluated on the same games, so the arms of one
+    seed play the same evaluation."""
+    kept = config.model_dump(mode="json", exclude={"name", "method", "algo"})
+    return json.dumps({**kept, "gamma": config.method.gamma}, sort_keys=True)
+
+
+def start_evaluation(run: RunDir) -> dict[str, Any]:
+    """The ``eval/*`` scores of ``run``'s iteration-0 evaluation (empty where it has none yet)."""
+    if not run.metrics.is_file():
+        return {}
+    first = next((line for line in read_metrics(run) if line.get("iteration") == 0), {})
+    return {key: value for key, value in first.items() if key.startswith("eval/")}
 
 
 RECORDS = ("config.yaml", "metrics.jsonl")

@@ -182,6 +182,11 @@ class SuiteConfig(_Section):
     envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
     set: list[str] = Field(default_factory=list, description="key=value overrides applied to every run.")
+    env_set: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="key=value overrides for one environment's runs only, after `set` ({job-interview: "
+        "[rollout.max_new_tokens=192]}).",
+    )
     output_dir: str = Field("runs/suite", description="Where the runs and table.md / table.csv / contrasts.csv go.")
     metric: Literal["discounted_return", "outcome"] | None = Field(
         None,
@@ -218,6 +223,13 @@ class SuiteConfig(_Section):
                 raise ValueError(f"two methods named {name!r}: their runs would share a directory")
             names.add(name)
         return methods
+
+    @model_validator(mode="after")
+    def _env_set_names_suite_envs(self) -> SuiteConfig:
+        unknown = sorted(set(self.env_set) - set(self.envs))
+        if unknown:
+            raise ValueError(f"env_set names {', '.join(unknown)}, not among envs ({', '.join(self.envs)})")
+        return self
 
     def method_overrides(self, entry: str | dict[str, Any]) -> tuple[str, list[str]]:
         """A ``methods`` entry's name and the overrides that select it on top of ``set``."""

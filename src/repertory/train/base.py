@@ -85,6 +85,9 @@ class Trainer:
         needs_judge = make(config.rollout.env, **config.rollout.env_options).needs_judge
         self.rollouts = Rollouts(config, self.lineup, engine_args, self.judge if needs_judge else None, run_dir)
         self.iteration = 0
+        self.start_evaluation: dict[str, Any] | None = None
+        """The ``eval/*`` line of iteration 0, when a run with the same start played it already (a suite's arms of
+        one seed: :func:`repertory.experiments.start_key`); taken instead of playing the same games again."""
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         """One iteration of this trainer kind, after its due evaluations; returns its metrics."""
@@ -113,6 +116,8 @@ class Trainer:
         due = final or iteration == 0 or (every and iteration % every == 0)
         if not config.eval.episodes or not due:
             return {}
+        if iteration == 0 and not final and self.start_evaluation is not None:
+            return dict(self.start_evaluation)
         line = self.evaluate(iteration, keep=self.run_dir.heldout(iteration) if final else None)
         if iteration and config.selects_on_validation:
             line.update(self.validate(iteration))
