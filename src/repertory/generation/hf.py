@@ -333,11 +333,15 @@ class HFBackend(TokenizedChoices):
         temperature = params.temperature if params.temperature > 0 else 1.0
         logp_full = torch.log_softmax(logits / temperature, dim=-1)
         scores = logp_full.clone()
+        grammar = [row for row, limit in enumerate(limits) if isinstance(limit, GrammarRow)]
+        if grammar:  # one mask and one normaliser for all grammar rows: no per-row kernels or transfers
+            index = torch.tensor(grammar, device=scores.device)
+            allowed = torch.stack([limits[row].allowed(scores.shape[1]) for row in grammar])  # type: ignore[union-attr]
+            masked = scores[index].masked_fill(~allowed.to(scores.device), float("-inf"))
+            scores[index] = masked
+            logp_full[index] = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
         for row, limit in enumerate(limits):
-            if isinstance(limit, GrammarRow):
-                scores[row].masked_fill_(~limit.allowed(scores.shape[1]).to(scores.device), float("-inf"))
-                logp_full[row] = scores[row] - torch.logsumexp(scores[row], dim=0)
-            elif limit is not None and limit.children:
+            if isinstance(limit, TokenTrie) and limit.children:
                 allowed = torch.tensor(list(limit.children), device=scores.device)
                 masked = torch.full_like(scores[row], float("-inf"))
                 masked[allowed] = scores[row, allowed]

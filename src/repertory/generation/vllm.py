@@ -125,8 +125,9 @@ def _row_state(params: Any, prompt_ids: list[int] | None, output_ids: list[int])
 
 
 class _RowProcessor(LogitsProcessor):
-    """Records each row's full-vocabulary normaliser, masks constrained rows to their trie, ends rows early.
-    The normalisers of the whole batch are one tensor operation (one device sync per step)."""
+    """Records each row's full-vocabulary normaliser, masks constrained rows to their trie or grammar, ends rows
+    early. The normalisers of the whole batch are one tensor operation (one device sync per step), and those of
+    its grammar rows under their masks one more."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         self.rows: dict[int, tuple[_Row, list[int]]] = {}  # batch index -> (row, its output token ids)
@@ -163,10 +164,16 @@ class _RowProcessor(LogitsProcessor):
                 kept = logits[i, keep].clone()
                 logits[i] = float("-inf")
                 logits[i, keep] = kept
-            if row.grammar is not None:  # the masked policy: its normaliser is over the allowed tokens
-                mask = row.grammar_mask(output_ids, logits.shape[1]).to(logits.device)
-                logits[i] = logits[i].masked_fill(~mask, float("-inf"))
-                row.lse[-1] = float(torch.logsumexp(logits[i].float() / row.temperature, dim=-1))
+        grammar = [(i, row, output_ids) for i, (row, output_ids) in zip(indices, states) if row.grammar is not None]
+        if grammar:  # the masked policy, its normaliser over the allowed tokens: one mask for all grammar rows
+            at = torch.tensor([i for i, _, _ in grammar], device=logits.device)
+            masks = torch.stack([row.grammar_mask(output_ids, logits.shape[1]) for _, row, output_ids in grammar])
+            masked = logits[at].masked_fill(~masks.to(logits.device), float("-inf"))
+            logits[at] = masked
+            temperature = torch.tensor([row.temperature for _, row, _ in grammar], device=logits.device)
+            masked_normalisers = torch.logsumexp(masked.float() / temperature[:, None], dim=-1).tolist()
+            for (_, row, _), normaliser in zip(grammar, masked_normalisers):
+                row.lse[-1] = normaliser
         return logits
 
 
