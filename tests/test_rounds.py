@@ -976,6 +976,19 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
         "igrpo-alliance-s0": 128,
     }
     assert {(r.eval.every, r.eval.episodes, r.selects_on_validation) for r in tables.values()} == {(0, 64, False)}
+    # OMAR's own domains (results 44, 45): self-play from the scripted agents, typed actions under the grammar.
+    for name, env, bot, games in (
+        ("omar-werewolf-suite", "werewolf", "heuristic", 200),
+        ("omar-social-suite", "social", "agreeable", 64),
+    ):
+        suite = load_suite(name)
+        configs = {n: load_config(suite.recipe, o) for n, o in suite_runs(suite)}
+        assert list(configs) == [f"{m}-{env}-s{s}" for s in (0, 1, 2) for m in ("omar", "grpo")]
+        assert suite.warm_start.bot == bot and {c.method.estimator for c in configs.values()} == {"omar", "grpo"}
+        assert {(c.rollout.opponent, c.rollout.constrained, c.eval.episodes) for c in configs.values()} == {
+            ("self", "grammar", games)
+        }
+    assert load_config("omar-werewolf", load_suite("omar-werewolf-suite").set).evaluation_opponent == "heuristic"
     omar = load_suite("omar-grid-suite")
     selfplay = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
     assert len(selfplay) == 6 and omar.metric == "outcome"
