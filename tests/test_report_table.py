@@ -110,7 +110,9 @@ def test_rows_are_paired_by_seed_with_a_t_test_of_seeds_minus_one_df(runs):
     # igrpo - base per seed: 0.45 - 0.10, 0.50 - 0.12, 0.53 - 0.08 = 0.35, 0.38, 0.45: mean 0.3933, SE 0.02963,
     # t = 13.28 with 2 df: p = 1 - t / sqrt(2 + t^2) = 0.00563, CI mean ± 4.3027 SE; mt-kto has one seed, no pair
     table = results_table(runs)
-    assert list(table.contrasts) == [("igrpo", "base", "craigslist")]
+    # mt-kto has one seed a game; over its two games: 0.25 - 0.10 and 0.30 - 0.00
+    assert list(table.contrasts) == [("igrpo", "base", "craigslist"), ("mt-kto", "base", "pooled")]
+    assert table.contrasts[("mt-kto", "base", "pooled")].mean == pytest.approx(0.225)
     c = table.contrasts[("igrpo", "base", "craigslist")]
     assert (c.mean, c.se, c.seeds) == (pytest.approx(0.393333, abs=1e-6), pytest.approx(0.029627, abs=1e-6), 3)
     assert (c.low, c.high, c.p) == (
@@ -120,6 +122,31 @@ def test_rows_are_paired_by_seed_with_a_t_test_of_seeds_minus_one_df(runs):
     )
     assert "| igrpo − base | craigslist | +0.393 ± 0.030 | +0.266 to +0.521 | 0.006 | 3 |" in table.markdown()
     assert "igrpo,base,craigslist,0.393333,0.029627,0.265857,0.520809,0.00562582,3,last" in table.contrasts_csv()
+
+
+def test_rows_are_also_paired_over_every_game_and_seed_together(tmp_path):
+    # mt-kto - igrpo per (game, seed): craigslist -0.1, -0.3; ultimatum +0.1, -0.3 -> mean -0.15, SD 0.19149,
+    # SE 0.095743, t = -1.5667 with 3 df (p = 0.2152, t_crit 3.1824: CI -0.15 ± 0.30469); each game has 2 seeds
+    runs = [
+        _run(tmp_path, f"{m}-{env}-{s}", m, env, s, [0.0], final)
+        for m, env, finals in (
+            ("igrpo", "craigslist", (0.5, 0.7)),
+            ("mt-kto", "craigslist", (0.4, 0.4)),
+            ("igrpo", "ultimatum", (0.2, 0.6)),
+            ("mt-kto", "ultimatum", (0.3, 0.3)),
+        )
+        for s, final in enumerate(finals)
+    ]
+    table = results_table(runs)
+    c = table.contrasts[("mt-kto", "igrpo", "pooled")]  # rows in name order: mt-kto is the later one
+    assert (c.mean, c.se, c.seeds) == (pytest.approx(-0.15), pytest.approx(0.095743, abs=1e-6), 4)
+    assert (c.low, c.high, c.p) == (
+        pytest.approx(-0.45469, abs=1e-5),
+        pytest.approx(0.15469, abs=1e-5),
+        pytest.approx(0.2152, abs=1e-4),
+    )
+    assert ("mt-kto", "igrpo", "craigslist") in table.contrasts and ("mt-kto", "igrpo", "ultimatum") in table.contrasts
+    assert "| mt-kto − igrpo | pooled | -0.150 ± 0.096 |" in table.markdown()
 
 
 def test_table_errors(tmp_path, runs):

@@ -263,18 +263,30 @@ def _p_text(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
+POOLED = "pooled"
+"""The environment of a contrast over the (environment, seed) pairs of every environment together."""
+
+
 def paired_contrasts(
     per_seed: dict[tuple[str, str], dict[int, float]], methods: list[str]
 ) -> dict[tuple[str, str, str], Paired]:
     """Every later row of ``methods`` against every earlier one on the same environment, paired by the seeds
-    both have (at least 2): the base row first, so each method is also compared with its initial policy."""
+    both have (at least 2): the base row first, so each method is also compared with its initial policy. Where
+    two rows share seeds in more than one environment, also over all their (environment, seed) pairs
+    (:data:`POOLED`; t with pairs − 1 degrees of freedom)."""
     out = {}
+    pooled: dict[tuple[str, str], dict[str, list[float]]] = {}
     for (b, env), earlier in sorted(per_seed.items(), key=lambda item: (item[0][1], methods.index(item[0][0]))):
         for a in methods[methods.index(b) + 1 :]:
             later = per_seed.get((a, env), {})
-            seeds = sorted(set(earlier) & set(later))
-            if len(seeds) >= 2:
-                out[(a, b, env)] = paired_t([later[s] - earlier[s] for s in seeds])
+            differences = [later[s] - earlier[s] for s in sorted(set(earlier) & set(later))]
+            if len(differences) >= 2:
+                out[(a, b, env)] = paired_t(differences)
+            if differences:
+                pooled.setdefault((a, b), {})[env] = differences
+    for (a, b), by_env in pooled.items():
+        if len(by_env) > 1:
+            out[(a, b, POOLED)] = paired_t([d for differences in by_env.values() for d in differences])
     return out
 
 
