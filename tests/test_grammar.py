@@ -24,6 +24,7 @@ from repertory.envs.grammar import (
     json_object,
     json_string,
     literal,
+    sequence,
     turn_grammar,
 )
 from repertory.generation import SamplingParams
@@ -66,10 +67,17 @@ def test_integer_patterns_match_exactly_the_range():
     assert not signed.fullmatch("-0") and integer(-12, 7).max_chars == 3
 
 
+def test_actions_under_a_grammar_are_tags():
+    assert choices_syntax(["<a/>", "<b/>"]).opens_tag and sequence(literal("<a>"), integer(0, 9)).opens_tag
+    assert not choices_syntax(["<a/>", "left"]).opens_tag and not integer(0, 9).opens_tag
+    with pytest.raises(RepertoryError, match="an action under a grammar must be a tag, starting with '<'"):
+        turn_grammar(choices_syntax(["<a/>", "left"]), 64, 100)
+
+
 def test_syntax_builders_bound_their_length():
     offer = json_object([("price", integer(1, 2250)), ("where", json_string(["home", "office"]))])
     assert offer.max_chars == len('{"price": 2250, "where": "office"}')
-    assert choices_syntax(["<a/>", "<bb/>", "<a/>"]) == Syntax('("<a/>" | "<bb/>")', 5)
+    assert choices_syntax(["<a/>", "<bb/>", "<a/>"]) == Syntax('("<a/>" | "<bb/>")', 5, opens_tag=True)
     assert literal("café") == Syntax('"café"', 5)  # bytes: a token may hold part of a character
 
 

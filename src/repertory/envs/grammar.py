@@ -24,27 +24,29 @@ constrains only finite action sets (token tries), False nothing."""
 @dataclass(frozen=True)
 class Syntax:
     """A Lark expression and the most bytes of UTF-8 a text it matches can have (so also the most characters,
-    and the most tokens: no token is empty)."""
+    and the most tokens: no token is empty); ``opens_tag`` where every text it matches starts with ``<``."""
 
     lark: str
     max_chars: int
+    opens_tag: bool = False
 
 
 def literal(text: str) -> Syntax:
     """Exactly ``text``."""
-    return Syntax(json.dumps(text, ensure_ascii=False), len(text.encode()))
+    return Syntax(json.dumps(text, ensure_ascii=False), len(text.encode()), text.startswith("<"))
 
 
 def one_of(options: Sequence[Syntax]) -> Syntax:
     """Any one of ``options``."""
     if not options:
         raise RepertoryError("a grammar choice needs at least one option")
-    return Syntax("(" + " | ".join(o.lark for o in options) + ")", max(o.max_chars for o in options))
+    lark = "(" + " | ".join(o.lark for o in options) + ")"
+    return Syntax(lark, max(o.max_chars for o in options), all(o.opens_tag for o in options))
 
 
 def sequence(*parts: Syntax) -> Syntax:
     """``parts`` one after the other."""
-    return Syntax(" ".join(p.lark for p in parts), sum(p.max_chars for p in parts))
+    return Syntax(" ".join(p.lark for p in parts), sum(p.max_chars for p in parts), bool(parts) and parts[0].opens_tag)
 
 
 def integer(low: int, high: int) -> Syntax:
@@ -97,7 +99,8 @@ def tagged(name: str, payload: Syntax) -> Syntax:
 
 
 def choices_syntax(choices: Sequence[str]) -> Syntax:
-    """A finite set of complete actions, each exactly as written."""
+    """A finite set of complete actions, each exactly as written: tags, since a turn's talk ends at its first
+    ``<`` (an action that is not a tag would be read as talk)."""
     return one_of([literal(c) for c in dict.fromkeys(choices)])
 
 
@@ -133,6 +136,11 @@ class TurnGrammar:
 def turn_grammar(action: Syntax, max_new_tokens: int, max_chars: int) -> TurnGrammar:
     """Talk of at most what is left of ``max_new_tokens`` (after the action and the end-of-turn token) and of
     ``max_chars`` (after the action), then ``action``. Talk never holds ``<``: the action is the only tag."""
+    if not action.opens_tag:  # talk ends at the first "<": an action that does not open a tag would be talk
+        raise RepertoryError(
+            f"an action under a grammar must be a tag, starting with '<' (got the syntax {action.lark[:60]}): state "
+            "it with Env.action_syntax, or constrain finite choices with rollout.constrained: true"
+        )
     talk_tokens = max_new_tokens - action.max_chars - 1
     talk_bytes = max_chars - action.max_chars - UTF8_TAIL
     if talk_tokens < 0 or talk_bytes + UTF8_TAIL < 0:
