@@ -3,6 +3,7 @@ Iterative GRPO's offline improvement, the baselines' data rules, and a seeded ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -538,14 +539,18 @@ def test_round_methods_sample_and_score_under_the_deployed_grammar(tmp_path, tok
     write_turns(tmp_path / "turns.parquet", turns)
     assert [t.grammar for t in read_turns(tmp_path / "turns.parquet", tokenizer, 0.95)] == [t.grammar for t in turns]
     states, n = turns[:3], 2
-    generations, replayed = trainer.context.sample(states, by_id, n, ("test",))
+    generations, replayed, grammars = trainer.context.sample(states, by_id, n, ("test",))
+    assert grammars == [x.grammar for x in states]
+    # A turn from logs carries no grammar: its candidates take the replayed referee's, the one it was deployed under.
+    logged = [dataclasses.replace(x, grammar=None) for x in states]
+    assert trainer.context.sample(logged, by_id, 1, ("logs",)).grammars == grammars
+    assert [trainer.context.grammar(x) for x in logged] == [None] * len(states)  # a logged response: unmasked
     for j, generation in enumerate(generations):
         env, role = replayed[j // n]
         assert not env.parse(role, tokenizer.decode(generation.response_ids, skip_special_tokens=True)).invalid
     pairs = [(x.prompt_ids, g.response_ids) for j, x in enumerate(states) for g in generations[j * n : (j + 1) * n]]
-    grammars = [trainer.context.grammar(x) for x in states for _ in range(n)]
     sampled = [torch.tensor(g.logp_sample) for g in generations]
-    masked = trainer.learner.token_logps(pairs, grammars=grammars)
+    masked = trainer.learner.token_logps(pairs, grammars=[g for g in grammars for _ in range(n)])
     assert max(float((a - b).abs().max()) for a, b in zip(masked, sampled)) <= 1e-4
     assert max(float((a - b).abs().max()) for a, b in zip(trainer.learner.token_logps(pairs), sampled)) > 0.1
     monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", lambda *a, **k: {})

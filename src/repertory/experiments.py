@@ -83,23 +83,19 @@ def run_suite(
     the output directory."""
     runs: list[RunDir] = []
     probed: list[dict[str, Any]] = []
-    starts: dict[str, dict[str, Any]] = {}  # start_key -> the iteration-0 evaluation an earlier run played
+    starts: dict[str, dict[str, Any]] = {}  # start_key -> an iteration-0 evaluation played in this process
     kept = Path(suite.records or suite.output_dir)
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
         recorded = RunDir(kept / name)
-        config = load_config(suite.recipe, overrides)
         if suite.records is not None and not run_dir.is_run() and finished(recorded):
             runs.append(recorded)
         else:
-            start = starts.get(start_key(config))
-            _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, start)
+            config = load_config(suite.recipe, overrides)
+            _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, starts)
             runs.append(run_dir)
             if suite.records is not None:
                 keep_records(run_dir, kept)
-        played = start_evaluation(runs[-1])
-        if played:
-            starts.setdefault(start_key(config), played)
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
@@ -118,20 +114,27 @@ def _train(
     loaded: Callable[[], LoadedModel] | None,
     on_run: Callable[[str, Trainer], None] | None,
     on_line: Callable[[dict[str, Any]], None] | None,
-    start: dict[str, Any] | None = None,
+    starts: dict[str, dict[str, Any]],
 ) -> None:
-    """Start, resume or leave one run of a suite, its iteration-0 evaluation ``start`` where another run played
-    it; it is finished on return."""
+    """Start, resume or leave one run of a suite; it is finished on return. ``starts`` holds the iteration-0
+    evaluations played in this process, by :func:`start_key` of the run's own config (its warm start's path
+    included): a run that starts here takes its own from there, else files the one it plays. Runs trained
+    elsewhere (records, another machine's precision) neither give nor take one."""
     model = loaded() if loaded is not None else None
     if run_dir.is_run():  # a warm-started run resumes from its exported policy, not the caller's model
         trainer = resume_run(run_dir, loaded=None if warm_started else model)
     else:
         trainer = start_run(config, model)
-    trainer.start_evaluation = start
+    key, fresh = start_key(trainer.config), trainer.iteration == 0
+    if fresh:
+        trainer.start_evaluation = starts.get(key)
     if on_run is not None:
         on_run(run_dir.name, trainer)
     if trainer.iteration < trainer.config.iterations:
         trainer.fit(on_line)
+    played = start_evaluation(run_dir)
+    if fresh and played:
+        starts.setdefault(key, played)
 
 
 def start_key(config: TrainConfig) -> str:

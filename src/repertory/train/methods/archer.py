@@ -95,7 +95,9 @@ class Archer(RoundMethod):
             for chunk in chunks(order, self.config.batch_size):
                 batch = [buffer[i] for i in chunk]
                 states = [by_state[tuple(x.state)] for x in batch]
-                generations, _ = ctx.sample(states, all_episodes, 1, (round_index, critic_pass, "archer-critic"))
+                generations = ctx.sample(
+                    states, all_episodes, 1, (round_index, critic_pass, "archer-critic")
+                ).generations
                 losses.append(self.critic_step(batch, [g.response_ids for g in generations], ctx.algo))
         metrics["loss/critic"] = sum(losses) / len(losses)
         actor_losses, advantages = [], []
@@ -103,12 +105,12 @@ class Archer(RoundMethod):
         random.Random(derive(self.seed, round_index, "archer-actor")).shuffle(order)
         for chunk in chunks(order, self.config.batch_size):
             states = [turns[i] for i in chunk]
-            generations, _ = ctx.sample(states, episodes, 1, (round_index, "archer-actor"))
+            candidates = ctx.sample(states, episodes, 1, (round_index, "archer-actor"))
             loss, adv = self.actor_step(
                 ctx.learner,
                 [x.prompt_ids for x in states],
-                [g.response_ids for g in generations],
-                [ctx.grammar(x) for x in states],
+                [g.response_ids for g in candidates.generations],
+                candidates.grammars,
             )
             ctx.publish()  # the next states' fresh samples come from the updated policy
             actor_losses.append(loss)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from pydantic import BaseModel
 
 from repertory.config import METHOD_CONFIGS, AlgoConfig, CriticConfig, MethodConfig, method_kind, register_method_config
 from repertory.envs import Env
-from repertory.envs.grammar import GRAMMAR, TurnGrammar
+from repertory.envs.grammar import GRAMMAR, TurnGrammar, turn_grammar
 from repertory.envs.replay import replay
 from repertory.generation import Backend, Generation, GenerationRequest, SamplingParams, TokenTrie
 from repertory.models import LoadedModel
@@ -82,6 +82,16 @@ class OnlineMethod(Method):
         raise NotImplementedError
 
 
+class Candidates(NamedTuple):
+    """Fresh responses at logged states (a state's ``n`` one after the other), each state's replayed referee
+    (None without its conversation) and the grammar its responses were sampled under, and are scored under
+    (``TurnGrammar.dumps``; None: free text or a trie)."""
+
+    generations: list[Generation]
+    replayed: list[tuple[Env, str] | None]
+    grammars: list[str | None]
+
+
 @dataclass
 class RoundContext:
     """What a round method may use while it improves the policy offline: the learner, the sampler of the live
@@ -112,33 +122,42 @@ class RoundContext:
                 all_episodes.update({ep.episode_id: ep for ep in read_episodes(deployed)})
         return all_turns + turns, {**all_episodes, **episodes}
 
-    def sample(
-        self, states: list[LoggedTurn], episodes: dict[str, Episode], n: int, key: tuple
-    ) -> tuple[list[Generation], list[tuple[Env, str] | None]]:
-        """``n`` fresh responses of the live policy per logged state, sampled as deployed (constrained where the
-        deployment was; under a grammar, the state's own: score them under :meth:`grammar`), and each state's
-        replayed referee (None without its conversation)."""
+    def sample(self, states: list[LoggedTurn], episodes: dict[str, Episode], n: int, key: tuple) -> Candidates:
+        """``n`` fresh responses of the live policy per logged state, sampled as deployed: under the state's
+        grammar (``rollout.constrained: grammar``), or constrained to its valid actions where
+        ``rollout.constrained`` is true and the action set is finite."""
         replayed = [
             replay(episodes[x.episode_id], x.seat_id, x.t) if x.episode_id in episodes else None for x in states
         ]
+        grammars = [self._sampling_grammar(x, state) for x, state in zip(states, replayed)]
         rows = [
-            GenerationRequest(x.prompt_ids, derive(self.seed, *key, x.episode_id, x.t, c, "sample"), constraint)
-            for x, constraint in zip(states, map(self._constraint, states, replayed))
+            GenerationRequest(
+                x.prompt_ids,
+                derive(self.seed, *key, x.episode_id, x.t, c, "sample"),
+                TurnGrammar.loads(grammar) if grammar is not None else self._trie(state),
+            )
+            for x, state, grammar in zip(states, replayed, grammars)
             for c in range(n)
         ]
-        return self.backend.generate(rows, self.params), replayed
+        return Candidates(self.backend.generate(rows, self.params), replayed, grammars)
 
-    def grammar(self, state: LoggedTurn) -> str | None:
-        """The grammar a response at ``state`` is sampled and scored under: the one the state was deployed under,
-        where the run deploys under grammars (a talk-only turn, or a user's logged turn, has none)."""
-        return state.grammar if self.constrained == GRAMMAR else None
+    def grammar(self, logged: LoggedTurn) -> str | None:
+        """The grammar a logged response is scored under: the one it was sampled under, where the run deploys
+        under grammars (users' logged turns have none: they are scored unmasked)."""
+        return logged.grammar if self.constrained == GRAMMAR else None
 
-    def _constraint(self, logged: LoggedTurn, state: tuple[Env, str] | None) -> TokenTrie | TurnGrammar | None:
-        """Candidates are sampled as the policy was deployed: under the state's grammar, or constrained to its
-        valid actions where ``rollout.constrained`` is true and the action set is finite."""
-        grammar = self.grammar(logged)
-        if grammar is not None:
-            return TurnGrammar.loads(grammar)
+    def _sampling_grammar(self, logged: LoggedTurn, state: tuple[Env, str] | None) -> str | None:
+        """The grammar fresh responses at a logged state are sampled under: the one the state was deployed under,
+        else (a turn from logs) its replayed referee's; None outside ``rollout.constrained: grammar``, in a
+        talk-only phase, or for a state without its conversation."""
+        if self.constrained != GRAMMAR or logged.grammar is not None or state is None:
+            return self.grammar(logged)
+        env, role = state
+        syntax = env.action_syntax(role)
+        return turn_grammar(syntax, self.params.max_new_tokens, env.max_chars(role)).dumps() if syntax else None
+
+    def _trie(self, state: tuple[Env, str] | None) -> TokenTrie | None:
+        """The trie of the state's valid actions, where ``rollout.constrained`` is true and they are finite."""
         if state is None or self.constrained is not True:
             return None
         env, role = state

@@ -61,7 +61,9 @@ class IGRPO(RoundMethod):
             random.Random(derive(self.seed, round_index, epoch, "igrpo")).shuffle(order)
             for chunk in chunks(order, config.states_per_step):
                 states = [turns[i] for i in chunk]
-                generations, replayed = ctx.sample(states, episodes, n, (round_index, epoch, "candidate"))
+                generations, replayed, state_grammars = ctx.sample(
+                    states, episodes, n, (round_index, epoch, "candidate")
+                )
                 rewards = self.q.score_groups(
                     [list(x.prompt_ids) for x in states],
                     [[g.response_ids for g in generations[j * n : (j + 1) * n]] for j in range(len(states))],
@@ -79,7 +81,7 @@ class IGRPO(RoundMethod):
                     for a in offline.candidate_advantages(group, valid[j * n : (j + 1) * n], config.scale_advantages)
                 ]
                 prompts = [x.prompt_ids for x in states for _ in range(n)]
-                grammars = [ctx.grammar(x) for x in states for _ in range(n)]
+                grammars = [grammar for grammar in state_grammars for _ in range(n)]
                 batch, adv = single_turn_batch(prompts, [g.response_ids for g in generations], advantages, grammars)
                 if not batch.sequences:
                     continue
