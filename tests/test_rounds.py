@@ -968,32 +968,6 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {(r.rollout.env, r.rollout.constrained, r.iterations) for r in rounds.values()} == {("craigslist", True, 3)}
     assert {r.method.kind for r in rounds.values()} == {"igrpo", "st-grpo", "mt-kto", "mt-sft"}
     assert rounds["igrpo-craigslist-s1"].method.q.features == "response_mean"
-    six = load_suite("igrpo-grammar-suite")
-    tables = {name: load_config(six.recipe, overrides) for name, overrides in suite_runs(six)}
-    assert len(tables) == 72 and {r.rollout.constrained for r in tables.values()} == {"grammar"}
-    # env_set reaches its environment's runs only: Job Interview's typed offer needs more tokens.
-    assert {n: r.rollout.max_new_tokens for n, r in tables.items() if n.endswith("-s0") and "igrpo" in n} == {
-        "igrpo-craigslist-s0": 128,
-        "igrpo-ultimatum-s0": 128,
-        "igrpo-deal-or-no-deal-s0": 128,
-        "igrpo-casino-s0": 128,
-        "igrpo-job-interview-s0": 192,
-        "igrpo-alliance-s0": 128,
-    }
-    assert {(r.eval.every, r.eval.episodes, r.selects_on_validation) for r in tables.values()} == {(0, 64, False)}
-    # OMAR's own domains (results 44, 45): self-play from the scripted agents, typed actions under the grammar.
-    for name, env, bot, games in (
-        ("omar-werewolf-suite", "werewolf", "heuristic", 200),
-        ("omar-social-suite", "social", "agreeable", 64),
-    ):
-        suite = load_suite(name)
-        configs = {n: load_config(suite.recipe, o) for n, o in suite_runs(suite)}
-        assert list(configs) == [f"{m}-{env}-s{s}" for s in (0, 1, 2) for m in ("omar", "grpo")]
-        assert suite.warm_start.bot == bot and {c.method.estimator for c in configs.values()} == {"omar", "grpo"}
-        assert {(c.rollout.opponent, c.rollout.constrained, c.eval.episodes) for c in configs.values()} == {
-            ("self", "grammar", games)
-        }
-    assert load_config("omar-werewolf", load_suite("omar-werewolf-suite").set).evaluation_opponent == "heuristic"
     omar = load_suite("omar-grid-suite")
     selfplay = {name: load_config(omar.recipe, overrides) for name, overrides in suite_runs(omar)}
     assert len(selfplay) == 6 and omar.metric == "outcome"
@@ -1039,6 +1013,35 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     same = ("iterations", "method", "algo", "rollout", "model")
     assert all([getattr(r, key) for key in same] == [getattr(default, key) for key in same] for r in main_job.values())
     assert {(r.eval.episodes, r.evaluation_opponent) for r in main_job.values()} == {(64, "always-cooperate")}
+
+
+def test_the_grammar_suites_ship_every_game_and_omars_own_domains():
+    six = load_suite("igrpo-grammar-suite")
+    tables = {name: load_config(six.recipe, overrides) for name, overrides in suite_runs(six)}
+    assert len(tables) == 72 and {r.rollout.constrained for r in tables.values()} == {"grammar"}
+    # env_set reaches its environment's runs only: Job Interview's typed offer needs more tokens.
+    assert {n: r.rollout.max_new_tokens for n, r in tables.items() if n.endswith("-s0") and "igrpo" in n} == {
+        "igrpo-craigslist-s0": 128,
+        "igrpo-ultimatum-s0": 128,
+        "igrpo-deal-or-no-deal-s0": 128,
+        "igrpo-casino-s0": 128,
+        "igrpo-job-interview-s0": 192,
+        "igrpo-alliance-s0": 128,
+    }
+    assert {(r.eval.every, r.eval.episodes, r.selects_on_validation) for r in tables.values()} == {(0, 64, False)}
+    # OMAR's own domains (results 44, 45): self-play from the scripted agents, typed actions under the grammar.
+    for name, env, bot, games in (
+        ("omar-werewolf-suite", "werewolf", "heuristic", 200),
+        ("omar-social-suite", "social", "agreeable", 64),
+    ):
+        suite = load_suite(name)
+        configs = {n: load_config(suite.recipe, o) for n, o in suite_runs(suite)}
+        assert list(configs) == [f"{m}-{env}-s{s}" for s in (0, 1, 2) for m in ("omar", "grpo")]
+        assert suite.warm_start.bot == bot and {c.method.estimator for c in configs.values()} == {"omar", "grpo"}
+        assert {(c.rollout.opponent, c.rollout.constrained, c.eval.episodes) for c in configs.values()} == {
+            ("self", "grammar", games)
+        }
+    assert load_config("omar-werewolf", load_suite("omar-werewolf-suite").set).evaluation_opponent == "heuristic"
 
 
 def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, tokenizer):
