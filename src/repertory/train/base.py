@@ -54,6 +54,10 @@ class Trainer:
     who plays (:class:`LineUp`), how the episodes get played (:class:`Rollouts`), held-out evaluation,
     checkpoints and the loop. A trainer kind implements :meth:`run_iteration`."""
 
+    start_evaluation: dict[str, Any] | None = None
+    """The ``eval/*`` line of iteration 0, when a run with the same start played it already (a suite's arms of one
+    seed: :func:`repertory.experiments.start_key`); taken instead of playing the same games again."""
+
     def __init__(self, config: TrainConfig, run_dir: RunDir, loaded: LoadedModel | None = None):
         self.config = config
         self.run_dir = run_dir
@@ -85,9 +89,6 @@ class Trainer:
         needs_judge = make(config.rollout.env, **config.rollout.env_options).needs_judge
         self.rollouts = Rollouts(config, self.lineup, engine_args, self.judge if needs_judge else None, run_dir)
         self.iteration = 0
-        self.start_evaluation: dict[str, Any] | None = None
-        """The ``eval/*`` line of iteration 0, when a run with the same start played it already (a suite's arms of
-        one seed: :func:`repertory.experiments.start_key`); taken instead of playing the same games again."""
 
     def run_iteration(self, iteration: int) -> dict[str, Any]:
         """One iteration of this trainer kind, after its due evaluations; returns its metrics."""
