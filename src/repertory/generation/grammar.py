@@ -47,6 +47,21 @@ class GrammarMasks:
             row.advance(token)
         return out
 
+    def misfit(self, recorded: str, tokens: list[int]) -> str | None:
+        """Why ``tokens`` could not have been sampled under the grammar ``recorded``, or None where they could:
+        every token allowed by its step's mask (the grammar's and the talk bound's), the last one ending it."""
+        try:
+            allowed = self.replay(recorded, tokens, self.vocab)
+        except RepertoryError as exc:
+            return str(exc)
+        outside = (~allowed[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]).nonzero()
+        if len(outside):
+            j = int(outside[0])
+            return f"token {tokens[j]} at position {j} is outside the mask (its talk passes the grammar's bound)"
+        if not tokens or tokens[-1] != self.end_of_turn_id:
+            return "the response stops before its grammar ends (no end-of-turn token)"
+        return None
+
 
 _MASKS: dict[int, tuple[Any, GrammarMasks]] = {}
 
