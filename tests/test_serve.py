@@ -38,6 +38,7 @@ from repertory.train import start_run
 from repertory.types import Message, RepertoryError
 
 HI = [{"role": "user", "content": "Hello there, who are you?"}]
+LONG = [{"role": "user", "content": "Hello there. " * 1500}]  # 4,500 tokens: with 4,096 more, past 8,192
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,11 @@ def test_bad_requests_get_their_status_and_one_line_of_json(tmp_path, loaded):
             "10 MB body": (dict(content=b" " * (10 * 1024 * 1024)), 413, "body_too_large"),
             "max_tokens 10^9": (dict(json={"model": "tiny", "messages": HI, "max_tokens": 10**9}), 422, ""),
             "too many messages": (dict(json={"model": "tiny", "messages": HI * 5}), 422, "too_many_messages"),
+            "past the context": (
+                dict(json={"model": "tiny", "messages": LONG, "max_tokens": 4096}),
+                422,
+                "context_length_exceeded",
+            ),
             "n = 2": (dict(json={"model": "tiny", "messages": HI, "n": 2}), 422, "invalid_request"),
             "bad temperature": (dict(json={"model": "tiny", "messages": HI, "temperature": -1}), 422, ""),
             "bad conversation id": (

@@ -199,6 +199,32 @@ def test_sync_makes_the_engine_sample_the_updated_weights(tokenizer, kind):
     backend.close()
 
 
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_free_row_ends_at_the_context_window_and_a_constrained_row_must_fit(tokenizer, kind):
+    """hf's window is the model's positions, vLLM's its max_model_len: a free row stops there ("length"), a row
+    whose constrained answer would be cut, or whose prompt fills the window, is one clear error."""
+    from repertory.envs.grammar import literal, turn_grammar
+    from repertory.types import RepertoryError
+
+    loaded = tiny(tokenizer, seed=4)
+    if kind == "hf":
+        loaded.model.config.max_position_embeddings = 64
+    backend = make_backend(kind, loaded, **({} if kind == "hf" else {"max_model_len": 64}))
+    assert backend.context_window == 64
+    prompt = tokenizer.encode("Round 1 of 10. " * 20)[:56]
+    params = SamplingParams(max_new_tokens=16)
+    free = backend.generate(rows([prompt], [3]), params)[0]
+    assert len(free.response_ids) == 8 and free.finish == "length"
+    short = backend.generate(rows([prompt], [3], constraints=[backend.constraint(["yes", "no"])]), params)[0]
+    assert backend.decode(short.response_ids) in ("yes", "no")  # its whole answer fits
+    too_long = "a prompt of 56 tokens and its constrained answer's 16 tokens does not fit the model's context of 64"
+    with pytest.raises(RepertoryError, match=too_long):
+        backend.generate(rows([prompt], [3], constraints=[turn_grammar(literal("<pass/>"), 16, 200)]), params)
+    with pytest.raises(RepertoryError, match="a prompt of 64 tokens does not fit the model's context of 64 tokens"):
+        backend.generate(rows([prompt + prompt[:8]], [3]), params)
+    backend.close()
+
+
 def test_unknown_engine_options_and_engines_are_one_line_errors(tokenizer):
     from repertory.types import RepertoryError
 

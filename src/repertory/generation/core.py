@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Protocol
 
 from repertory.envs.grammar import TurnGrammar
 from repertory.generation.grammar import GrammarRow, grammar_masks
+from repertory.types import RepertoryError
 
 ENOUGH_EVERY = 8  # tokens between two checks of a row's ``enough`` (each check decodes the row)
 
@@ -28,6 +29,21 @@ def end_of_turn_id(tokenizer: Any, stop_ids: set[int]) -> int:
     """The token that closes an assistant turn (the one a constrained response ends with)."""
     token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return token_id if isinstance(token_id, int) and token_id in stop_ids else tokenizer.eos_token_id
+
+
+def window_budget(prompt_tokens: int, budget: int, window: int | None, constrained: bool) -> int:
+    """A row's token budget within the model's context of ``window`` tokens (None: unbounded). A free row's is
+    cut to what the window leaves (the row ends "length" there, as vLLM ends it); a constrained row's (a trie or
+    a grammar) must fit whole, since a cut action would not parse. A row that cannot fit is refused."""
+    if window is None or prompt_tokens + budget <= window:
+        return budget
+    if prompt_tokens < window and not constrained:
+        return window - prompt_tokens
+    what = f"and its constrained answer's {budget} tokens " if constrained else ""
+    raise RepertoryError(
+        f"a prompt of {prompt_tokens} tokens {what}does not fit the model's context of {window} tokens: shorten "
+        "the conversation (the game's turns or max_new_tokens), or on vLLM raise rollout.engine_args.max_model_len"
+    )
 
 
 @dataclass(frozen=True)
@@ -223,7 +239,8 @@ class Backend(Protocol):
     vocabulary at the sampling temperature. One call may mix adapters (hf: in each forward pass, every row
     through its own adapter).
     ``stream`` is the same sampling for rows that arrive while others decode (continuous batching: the rollout
-    engine sends a seat's next request as soon as its episode steps), with the same per-row guarantees.
+    engine sends a seat's next request as soon as its episode steps), with the same per-row guarantees. A row
+    that cannot fit ``context_window`` is refused, and a free row ends where the window does (:func:`window_budget`).
     ``sync`` makes the engine sample from the learner's current weights after an update (and wakes an
     offloaded engine); ``offload`` frees the device for a learner step where the engine can (vLLM on GPU
     sleeps); ``reset_cache`` forgets kept prefixes; ``close`` releases the engine."""
@@ -232,6 +249,7 @@ class Backend(Protocol):
     tokenizer: Any
     stats: GenerationStats
     version: int  # the policy version it samples: 0 at the start, one more at each sync (turns record it)
+    context_window: int | None  # the most tokens a row's prompt and response may hold (None: unbounded)
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]: ...
 

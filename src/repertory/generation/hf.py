@@ -129,6 +129,11 @@ class HFBackend(TokenizedChoices):
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
     @property
+    def context_window(self) -> int | None:
+        """The model's positions (its config's ``max_position_embeddings``)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
     def end_of_turn_id(self) -> int:
         """The token that closes an assistant turn (the one a constrained response ends with)."""
         return end_of_turn_id(self.tokenizer, self.stop_ids)

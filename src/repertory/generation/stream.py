@@ -18,7 +18,15 @@ import torch
 from transformers import DynamicCache
 
 from repertory.envs.grammar import TurnGrammar
-from repertory.generation.core import ENOUGH_EVERY, SYNCED, Generation, GenerationRequest, SamplingParams, TokenTrie
+from repertory.generation.core import (
+    ENOUGH_EVERY,
+    SYNCED,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    TokenTrie,
+    window_budget,
+)
 from repertory.generation.grammar import GrammarRow
 from repertory.generation.kvcache import (
     PAGE,
@@ -51,7 +59,8 @@ class Row:
     key: object
     enough: Callable[[str], bool] | None
     budget: int
-    """The most tokens it can generate: max_new_tokens, or less under a constraint whose answers are shorter."""
+    """The most tokens it can generate: max_new_tokens, or less under a constraint whose answers are shorter or
+    where the model's context ends first."""
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     finish: str = "length"
@@ -151,6 +160,8 @@ class DecodeStream:
             grammar = self.backend.start_grammar(constraint)
             constraint = None
         budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
+        constrained = constraint is not None or grammar is not None
+        budget = window_budget(len(prompt), budget, self.backend.context_window, constrained)
         need = self._need_alone(len(prompt) + budget)
         if need > self.backend.budget_tokens:
             raise RepertoryError(
@@ -320,7 +331,7 @@ class DecodeStream:
             checked = row.enough is not None and len(row.tokens) % ENOUGH_EVERY == 0
             if token in backend.stop_ids or (params.stop and backend._hit_stop(row.tokens, params.stop)):
                 row.finish = "stop"
-            elif len(row.tokens) >= params.max_new_tokens:
+            elif len(row.tokens) >= row.budget:
                 row.finish = "length"
             elif checked and row.enough(backend.decode(row.tokens)) and row.grammar is None:  # type: ignore[misc]
                 row.finish = "length"  # a grammar's row ends where its action does: its check only watches

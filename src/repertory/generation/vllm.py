@@ -68,6 +68,7 @@ from repertory.generation.core import (
     TokenTrie,
     end_of_turn_id,
     stop_token_ids,
+    window_budget,
 )
 from repertory.generation.grammar import GrammarRow
 from repertory.models import LoadedModel, base_weights, weights
@@ -263,10 +264,19 @@ class VLLMBackend(TokenizedChoices):
         except TypeError as error:  # an argument vLLM does not know
             raise RepertoryError(f"rollout.engine_args: vLLM refused the engine's arguments: {error}") from error
 
+    @property
+    def context_window(self) -> int:
+        """The engine's ``max_model_len``."""
+        return self.llm.llm_engine.model_config.max_model_len
+
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
         """Sample one continuation per request: one engine pass, one per policy version in merged mode (see
         :class:`repertory.generation.Backend`)."""
         self._wake()
+        for r in requests:  # vLLM ends a free row at its window itself; a constrained one must fit whole
+            constraint = r.constraint
+            budget = min(params.max_new_tokens, constraint.depth) if isinstance(constraint, TokenTrie) else None
+            window_budget(len(r.prompt_ids), budget or params.max_new_tokens, self.context_window, bool(constraint))
         prompts = [r.prompt_ids for r in requests]
         temperature = params.temperature if params.temperature > 0 else 1.0
         keys = [f"{id(self)}-{next(self._rows)}" for _ in requests]

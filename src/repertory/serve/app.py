@@ -213,7 +213,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI application serving ``policy``: one generation thread, routes that validate and queue."""
     batcher = Batcher(policy.backend, served_log, options.max_pending, policy.adapter)
-    context = _context_length(policy.backend)
+    context = policy.backend.context_window
     started = int(time.time())
 
     @asynccontextmanager
@@ -335,12 +335,6 @@ async def _stream(
     finally:
         if not result.done():
             job.cancelled.set()
-
-
-def _context_length(backend: Backend) -> int | None:
-    loaded = getattr(backend, "loaded", None)
-    config = getattr(getattr(loaded, "model", None), "config", None)
-    return getattr(config, "max_position_embeddings", None)
 
 
 def _uvicorn(app: FastAPI) -> Any:
