@@ -782,6 +782,8 @@ def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
         return [{k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)} for row in rows]
 
     assert lines("cut") == lines("straight")
+    peaks = [json.loads(x)["memory/peak_rss_mb"] for x in (tmp_path / "straight" / "metrics.jsonl").open()]
+    assert len(peaks) == 2 and 100 < peaks[0] <= peaks[1]  # a rounds run records its peak memory too
     for key, value in straight.method.q.state().items():
         assert torch.equal(resumed.method.q.state()[key], value), key
     final = load_file(str(tmp_path / "straight" / "checkpoints" / "000002" / "policy" / "adapter_model.safetensors"))

@@ -32,6 +32,7 @@ from repertory.models.checkpoints import run_precision
 from repertory.report import write_report
 from repertory.runs import RunDir
 from repertory.store import write_credit, write_episodes
+from repertory.system import peak_rss_mb
 from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
@@ -251,6 +252,7 @@ class Trainer:
                 done = iteration + 1
                 if done == config.iterations and main:
                     line.update(self.due_evaluations(done, final=True))
+                line["memory/peak_rss_mb"] = peak_rss_mb()  # this process's peak so far, evaluations included
                 for tracker in trackers:
                     tracker.log(line)
                 self.iteration = done

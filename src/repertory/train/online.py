@@ -15,7 +15,6 @@ from typing import Any
 
 from repertory.eval.scores import rollout_metrics
 from repertory.store import write_episodes
-from repertory.system import peak_rss_mb
 from repertory.train import distributed
 from repertory.train.base import Trainer
 from repertory.train.batch import collect
@@ -70,7 +69,6 @@ class OnlineTrainer(Trainer):
                 **timing,
                 "time/train_s": train_s,
                 "throughput/train_tok_s": seq_tokens * (1 + algo.ppo_epochs) / train_s if train_s else 0.0,
-                "memory/peak_rss_mb": peak_rss_mb(),
             }
         )
         return line
