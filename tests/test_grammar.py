@@ -208,24 +208,27 @@ def test_a_response_that_could_not_be_sampled_under_its_grammar_is_named(masks, 
     fits = tokenizer.encode("a few words <pass/>") + [masks.end_of_turn_id]
     assert masks.misfit(grammar.dumps(), fits) is None
     assert "stops before its grammar ends (no end-of-turn token)" in masks.misfit(grammar.dumps(), fits[:-1])
-    assert "outside the grammar" in masks.misfit(grammar.dumps(), [masks.end_of_turn_id])
-    long = tokenizer.encode("word " * 8 + "<pass/>") + [masks.end_of_turn_id]
-    assert re.fullmatch(r"token \d+ at position [67] is outside the mask .*", masks.misfit(grammar.dumps(), long))
+    eot, dumped = masks.end_of_turn_id, grammar.dumps()
+    assert masks.misfit(dumped, [eot]).startswith(f"token {eot} at position 0 is outside its step's mask")
+    assert masks.misfit(dumped, fits + [eot]) == f"token {eot} at position {len(fits)} follows the end-of-turn token"
+    long = tokenizer.encode("word " * 8 + "<pass/>") + [eot]
+    assert re.fullmatch(r"token \d+ at position [67] is outside its step's mask .*", masks.misfit(dumped, long))
 
 
 def test_logs_whose_response_does_not_fit_their_grammar_are_refused(tmp_path, masks, tokenizer):
-    from repertory.train.turns import read_logs
+    from repertory.train.turns import check_grammars, read_logs
 
     grammar = turn_grammar(literal("<pass/>"), max_new_tokens=60, max_chars=40).dumps()
     row = {"episode_id": "e", "kernel_id": "k", "t": 0, "outcome": 1.0, "prompt_ids": [1], "grammar": grammar}
     good = tokenizer.encode("ok <pass/>") + [masks.end_of_turn_id]
     path = tmp_path / "logs.parquet"
-    pq.write_table(pa.Table.from_pylist([row | {"response_ids": good}]), path)
-    assert read_logs(path, env_class("ipd"), tokenizer, 0.95)[0][0].grammar == grammar
     cut = row | {"t": 1, "response_ids": good[:-1]}
     pq.write_table(pa.Table.from_pylist([row | {"response_ids": good}, cut]), path)
+    turns = read_logs(path, env_class("ipd"), tokenizer, 0.95)[0]
+    assert [t.grammar for t in turns] == [grammar] * 2
+    check_grammars(turns[:1], masks, str(path))
     with pytest.raises(RepertoryError, match="logs.parquet, row 1: the response does not fit its grammar: the res"):
-        read_logs(path, env_class("ipd"), tokenizer, 0.95)
+        check_grammars(turns, masks, str(path))
 
 
 def test_episodes_keep_their_grammar_on_disk(tmp_path, grammar_episodes):

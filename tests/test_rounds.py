@@ -820,6 +820,22 @@ def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
     assert line["igrpo/gated_rate"] == 0.0  # user logs carry no game state: no gate
 
 
+def test_logs_whose_response_misfits_its_grammar_are_refused_under_the_grammar_only(tmp_path, tokenizer):
+    from repertory.envs.grammar import literal, turn_grammar
+
+    grammar = turn_grammar(literal("<pass/>"), max_new_tokens=24, max_chars=200).dumps()
+    logs = [dataclasses.replace(_turn(f"e{k}", "k", 0, 0, 0.5), grammar=grammar) for k in range(2)]  # [4, 5] misfit
+    path = write_turns(tmp_path / "logs.parquet", logs)
+    for mode, refused in (("grammar", True), ("true", False)):
+        extra = (f"method.logs={path}", f"rollout.constrained={mode}", "rollout.max_new_tokens=24")
+        trainer = start_run(_config(tmp_path, f"logs-{mode}", *extra), tiny_model(tokenizer))
+        if refused:
+            with pytest.raises(RepertoryError, match=r"logs.parquet, row 0: the response does not fit its grammar"):
+                trainer.deploy(0)
+        else:
+            assert len(trainer.deploy(0)[0]) == 2  # the grammar is not used, so not checked
+
+
 def test_round_zero_can_learn_from_played_episodes(tmp_path, tokenizer, play_episodes):
     store = EpisodeStore(tmp_path / "store")
     demos = play_episodes("craigslist", ["bot", "bot"], episodes=3)

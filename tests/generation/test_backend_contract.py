@@ -217,7 +217,7 @@ def test_a_free_row_ends_at_the_context_window_and_a_constrained_row_must_fit(to
     assert len(free.response_ids) == 8 and free.finish == "length"
     short = backend.generate(rows([prompt], [3], constraints=[backend.constraint(["yes", "no"])]), params)[0]
     assert backend.decode(short.response_ids) in ("yes", "no")  # its whole answer fits
-    too_long = "a prompt of 56 tokens and its constrained answer's 16 tokens does not fit the model's context of 64"
+    too_long = "a prompt of 56 tokens and an answer of up to 16 do not fit the model's context of 64 tokens"
     with pytest.raises(RepertoryError, match=too_long):
         backend.generate(rows([prompt], [3], constraints=[turn_grammar(literal("<pass/>"), 16, 200)]), params)
     with pytest.raises(RepertoryError, match="a prompt of 64 tokens does not fit the model's context of 64 tokens"):

@@ -33,16 +33,17 @@ def end_of_turn_id(tokenizer: Any, stop_ids: set[int]) -> int:
 
 def window_budget(prompt_tokens: int, budget: int, window: int | None, constrained: bool) -> int:
     """A row's token budget within the model's context of ``window`` tokens (None: unbounded). A free row's is
-    cut to what the window leaves (the row ends "length" there, as vLLM ends it); a constrained row's (a trie or
-    a grammar) must fit whole, since a cut action would not parse. A row that cannot fit is refused."""
+    cut to what the window leaves (the row ends "length" there, as vLLM ends it); a constrained row's (a trie's
+    longest answer, or a grammar's max_new_tokens) must fit whole, since a cut action would not parse. A row that
+    cannot fit is refused."""
     if window is None or prompt_tokens + budget <= window:
         return budget
     if prompt_tokens < window and not constrained:
         return window - prompt_tokens
-    what = f"and its constrained answer's {budget} tokens " if constrained else ""
+    what = f"a prompt of {prompt_tokens} tokens " + (f"and an answer of up to {budget} do" if constrained else "does")
     raise RepertoryError(
-        f"a prompt of {prompt_tokens} tokens {what}does not fit the model's context of {window} tokens: shorten "
-        "the conversation (the game's turns or max_new_tokens), or on vLLM raise rollout.engine_args.max_model_len"
+        f"{what} not fit the model's context of {window} tokens (hf: the model's positions; vLLM: its "
+        "max_model_len): shorten the conversation or lower max_new_tokens"
     )
 
 
@@ -249,7 +250,10 @@ class Backend(Protocol):
     tokenizer: Any
     stats: GenerationStats
     version: int  # the policy version it samples: 0 at the start, one more at each sync (turns record it)
-    context_window: int | None  # the most tokens a row's prompt and response may hold (None: unbounded)
+
+    @property
+    def context_window(self) -> int | None:
+        """The most tokens a row's prompt and response may hold (None: unbounded)."""
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]: ...
 

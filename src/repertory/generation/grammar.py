@@ -49,15 +49,15 @@ class GrammarMasks:
 
     def misfit(self, recorded: str, tokens: list[int]) -> str | None:
         """Why ``tokens`` could not have been sampled under the grammar ``recorded``, or None where they could:
-        every token allowed by its step's mask (the grammar's and the talk bound's), the last one ending it."""
-        try:
-            allowed = self.replay(recorded, tokens, self.vocab)
-        except RepertoryError as exc:
-            return str(exc)
-        outside = (~allowed[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]).nonzero()
-        if len(outside):
-            j = int(outside[0])
-            return f"token {tokens[j]} at position {j} is outside the mask (its talk passes the grammar's bound)"
+        every token allowed by its step's mask (the grammar's tokens within the talk bound), the end-of-turn
+        token last and only there."""
+        row = self.start(TurnGrammar.loads(recorded))
+        for j, token in enumerate(tokens):
+            if j and tokens[j - 1] == self.end_of_turn_id:
+                return f"token {token} at position {j} follows the end-of-turn token"
+            if not row.allowed(self.vocab)[token]:
+                return f"token {token} at position {j} is outside its step's mask (the grammar within its talk bound)"
+            row.advance(token)
         if not tokens or tokens[-1] != self.end_of_turn_id:
             return "the response stops before its grammar ends (no end-of-turn token)"
         return None

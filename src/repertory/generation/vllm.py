@@ -272,11 +272,11 @@ class VLLMBackend(TokenizedChoices):
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
         """Sample one continuation per request: one engine pass, one per policy version in merged mode (see
         :class:`repertory.generation.Backend`)."""
-        self._wake()
         for r in requests:  # vLLM ends a free row at its window itself; a constrained one must fit whole
-            constraint = r.constraint
-            budget = min(params.max_new_tokens, constraint.depth) if isinstance(constraint, TokenTrie) else None
-            window_budget(len(r.prompt_ids), budget or params.max_new_tokens, self.context_window, bool(constraint))
+            trie = r.constraint if isinstance(r.constraint, TokenTrie) else None
+            budget = params.max_new_tokens if trie is None else min(params.max_new_tokens, trie.depth)
+            window_budget(len(r.prompt_ids), budget, self.context_window, r.constraint is not None)
+        self._wake()
         prompts = [r.prompt_ids for r in requests]
         temperature = params.temperature if params.temperature > 0 else 1.0
         keys = [f"{id(self)}-{next(self._rows)}" for _ in requests]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from repertory.config import TrainConfig
+from repertory.envs.grammar import GRAMMAR
 from repertory.eval.scores import rollout_metrics
 from repertory.models import LoadedModel
 from repertory.runs import RunDir
@@ -30,7 +31,7 @@ from repertory.store import write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
 from repertory.train.base import Trainer
 from repertory.train.methods import RoundContext, RoundMethod
-from repertory.train.turns import conversations, first_return, logged_turns, read_logs
+from repertory.train.turns import check_grammars, conversations, first_return, logged_turns, read_logs
 from repertory.types import Episode, RepertoryError
 
 
@@ -93,6 +94,8 @@ class RoundsTrainer(Trainer):
             turns, episodes, served = read_logs(
                 method.logs, self.lineup.env, self.learner.tokenizer, method.gamma, every, method.log_agent
             )
+            if self.config.rollout.constrained == GRAMMAR:  # the turns are scored under the grammars they name
+                check_grammars(turns, self.learner.grammar_masks, str(method.logs))
             if served is not None:
                 self.served_counts = {
                     "logs/conversations": float(served.conversations),

@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 
 from repertory import algos
 from repertory.envs import Env
-from repertory.generation.core import end_of_turn_id, stop_token_ids
-from repertory.generation.grammar import grammar_masks
+from repertory.generation.grammar import GrammarMasks
 from repertory.models.chat import render_logged
 from repertory.store import EpisodeStore, read_episodes
 from repertory.store.served import ServedRead, is_served_log, read_served
@@ -137,9 +136,7 @@ def read_logs(
     elif path.is_file() and _is_episode_file(path):
         episodes = read_episodes(path)
     else:
-        turns = read_turns(path, tokenizer, gamma)
-        _check_grammars(turns, tokenizer, str(path))
-        return turns, [], None
+        return read_turns(path, tokenizer, gamma), [], None
     turns = demonstration_turns(episodes, env, tokenizer, gamma, every_seat, agent)
     if not turns and agent is not None:
         played = sorted({seat.agent for ep in episodes for seat in ep.seats})
@@ -147,12 +144,9 @@ def read_logs(
     return turns, episodes, None
 
 
-def _check_grammars(turns: list[LoggedTurn], tokenizer: Any, where: str) -> None:
-    """Refuse a logged turn whose response could not have been sampled under the grammar it names: the learner
-    replays that grammar's masks over it, and a token outside them would have no probability."""
-    if all(turn.grammar is None for turn in turns):
-        return
-    masks = grammar_masks(tokenizer, end_of_turn_id(tokenizer, stop_token_ids(tokenizer)))
+def check_grammars(turns: list[LoggedTurn], masks: GrammarMasks, where: str) -> None:
+    """Refuse a logged turn whose response could not have been sampled under the grammar it names: a run under
+    ``rollout.constrained: grammar`` replays that grammar's masks over it, where such a token has no probability."""
     for n, turn in enumerate(turns):
         reason = masks.misfit(turn.grammar, turn.response_ids) if turn.grammar is not None else None
         if reason is not None:
