@@ -31,11 +31,15 @@ def end_of_turn_id(tokenizer: Any, stop_ids: set[int]) -> int:
     return token_id if isinstance(token_id, int) and token_id in stop_ids else tokenizer.eos_token_id
 
 
-def window_budget(prompt_tokens: int, budget: int, window: int | None, constrained: bool) -> int:
-    """A row's token budget within the model's context of ``window`` tokens (None: unbounded). A free row's is
-    cut to what the window leaves (the row ends "length" there, as vLLM ends it); a constrained row's (a trie's
-    longest answer, or a grammar's max_new_tokens) must fit whole, since a cut action would not parse. A row that
-    cannot fit is refused."""
+def window_budget(
+    prompt_tokens: int, max_new_tokens: int, window: int | None, constraint: TokenTrie | TurnGrammar | None
+) -> int:
+    """A row's token budget within the model's context of ``window`` tokens (None: unbounded). A free row's
+    (``constraint`` None) is cut to what the window leaves (the row ends "length" there, as vLLM ends it); a
+    constrained row's (a :class:`TokenTrie`'s longest answer, or a grammar's max_new_tokens) must fit whole, since
+    a cut action would not parse. A row that cannot fit is refused."""
+    constrained = constraint is not None
+    budget = min(max_new_tokens, constraint.depth) if isinstance(constraint, TokenTrie) else max_new_tokens
     if window is None or prompt_tokens + budget <= window:
         return budget
     if prompt_tokens < window and not constrained:

@@ -159,9 +159,7 @@ class DecodeStream:
                 raise RepertoryError("a row under a grammar ends where its action does: sample it without stop strings")
             grammar = self.backend.start_grammar(constraint)
             constraint = None
-        budget = self.params.max_new_tokens if constraint is None else min(self.params.max_new_tokens, constraint.depth)
-        constrained = constraint is not None or grammar is not None
-        budget = window_budget(len(prompt), budget, self.backend.context_window, constrained)
+        budget = window_budget(len(prompt), self.params.max_new_tokens, self.backend.context_window, request.constraint)
         need = self._need_alone(len(prompt) + budget)
         if need > self.backend.budget_tokens:
             raise RepertoryError(

@@ -273,9 +273,7 @@ class VLLMBackend(TokenizedChoices):
         """Sample one continuation per request: one engine pass, one per policy version in merged mode (see
         :class:`repertory.generation.Backend`)."""
         for r in requests:  # vLLM ends a free row at its window itself; a constrained one must fit whole
-            trie = r.constraint if isinstance(r.constraint, TokenTrie) else None
-            budget = params.max_new_tokens if trie is None else min(params.max_new_tokens, trie.depth)
-            window_budget(len(r.prompt_ids), budget, self.context_window, r.constraint is not None)
+            window_budget(len(r.prompt_ids), params.max_new_tokens, self.context_window, r.constraint)
         self._wake()
         prompts = [r.prompt_ids for r in requests]
         temperature = params.temperature if params.temperature > 0 else 1.0
