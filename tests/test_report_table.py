@@ -191,7 +191,7 @@ def test_the_table_of_outcomes_reads_the_outcome_lines(runs, tmp_path, capsys):
     table = results_table(runs[:2], "best", metric="outcome")
     assert table.cells[("igrpo", "craigslist")] == (pytest.approx(0.525), pytest.approx(0.075), 2)
     assert table.cells[("base", "craigslist")][0] == pytest.approx(0.25)
-    assert table.csv().splitlines()[1] == "base,craigslist,0.250000,0.050000,2,best,outcome"
+    assert table.csv().splitlines()[1] == "base,craigslist,0.250000,0.050000,2,best,outcome,heldout"
     main(["report", "--table", *map(str, runs[:2]), "--metric", "outcome", "--checkpoint", "best"])
     assert "held-out outcome, best checkpoint" in capsys.readouterr().out
     with pytest.raises(RepertoryError, match="metric must be one of discounted_return, outcome"):
@@ -224,7 +224,7 @@ def test_runs_at_gamma_zero_are_tabled_by_their_outcome_and_the_table_says_why(t
     assert table.metric == "outcome" and table.cells[("omar", "ipd")] == (pytest.approx(0.84), pytest.approx(0.02), 2)
     assert table.cells[("base", "ipd")][0] == pytest.approx(0.79)
     assert table.why == f"the outcome, not J: method.gamma is 0 in 2 of the 2 runs, and {J_IS_ZERO}"
-    assert table.csv().splitlines()[2] == "omar,ipd,0.840000,0.020000,2,last,outcome"
+    assert table.csv().splitlines()[2] == "omar,ipd,0.840000,0.020000,2,last,outcome,heldout"
     explicit = results_table(zero, metric="discounted_return")  # asked for, J it is: every cell 0
     assert (explicit.metric, explicit.why, explicit.text("omar", "ipd")) == ("discounted_return", "", "0.00 ± .00")
     # one table, one score: a single gamma-0 run makes the others' cells outcomes too
@@ -235,6 +235,23 @@ def test_runs_at_gamma_zero_are_tabled_by_their_outcome_and_the_table_says_why(t
     mixed = results_table([*runs[:2], zero[0]])
     assert mixed.metric == "outcome" and mixed.cells[("igrpo", "craigslist")][0] == pytest.approx(0.65)
     assert mixed.why == f"the outcome, not J: method.gamma is 0 in omar-ipd-0, and {J_IS_ZERO}"
+
+
+def test_a_table_names_its_kernel_split_and_never_mixes_two(tmp_path, capsys):
+    chosen = _run(tmp_path, "choose-0", "igrpo", "craigslist", 0, [0.1, 0.3], 0.4, extra=["eval.split=validation"])
+    table = results_table([chosen])
+    assert (table.split, table.title) == (
+        "validation",
+        "validation expected discounted return, last checkpoint, mean ± SE over seeds",
+    )
+    main(["report", "--table", str(chosen)])
+    assert "validation expected discounted return, last checkpoint" in " ".join(capsys.readouterr().out.split())
+    reported = _run(tmp_path, "report-0", "mt-kto", "craigslist", 0, [0.1, 0.2], 0.3)
+    assert results_table([reported]).split == "heldout"
+    with pytest.raises(
+        RepertoryError, match=r"one table holds one kernel split, but its runs were evaluated on several"
+    ):
+        results_table([chosen, reported])
 
 
 def test_report_table_at_gamma_zero_prints_the_outcome_and_why(tmp_path, capsys):

@@ -936,6 +936,15 @@ def test_suite_recipe_validates_every_run():
             "{recipe: default, methods: [{kind: selfplay, set: rollout.opponent=pool}], envs: [ipd]}",
             "selfplay: set must be a list of key=value strings",
         ),
+        (
+            "{recipe: igrpo-craigslist, methods: [{kind: igrpo, name: steps-4}, {kind: igrpo, name: steps-4}], "
+            "envs: [craigslist]}",
+            "two methods named 'steps-4'",
+        ),
+        (
+            "{recipe: igrpo-craigslist, methods: [{kind: igrpo, name: 4 steps}], envs: [craigslist]}",
+            "method name '4 steps': letters, digits, '.', '_' and '-' only (it names runs)",
+        ),
         ("{recipe: default, methods: [selfplay], envs: [ipd], metric: elo}", "suite.metric"),
         (
             "{recipe: default, methods: [selfplay], envs: [ipd], env_set: {werewolf: [iterations=2]}}",
@@ -1081,7 +1090,35 @@ def test_a_suite_of_online_methods_trains_and_tables_the_outcome(tmp_path, token
     assert table.cells[("grpo", "ipd")] == (lines["grpo"]["final/outcome"], 0.0, 1)
     grpo = load_config(str(tmp_path / "grid" / "grpo-ipd-s0" / "config.yaml"))
     assert (grpo.method.gamma, grpo.eval.episodes) == (1.0, 4)
-    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",last,outcome")
+    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",last,outcome,heldout")
+
+
+def test_a_suite_chooses_between_settings_of_one_method_on_validation_kernels(tmp_path, tokenizer):
+    # Two settings of one method are two arms by their `name`; evaluated on validation kernels, their table is a
+    # validation table, for choosing, and says so.
+    recipe = _suite_recipe(tmp_path)
+    suite_file = tmp_path / "choose.yaml"
+    suite_file.write_text(
+        f"suite: {{recipe: {recipe}, methods: [{{kind: st-grpo, name: one-epoch, epochs: 1}}, {{kind: st-grpo, "
+        f"name: two-epochs, epochs: 2}}], envs: [ipd], set: [eval.split=validation], "
+        f"output_dir: {tmp_path / 'grid'}}}\n"
+    )
+    shared = {}
+    table = run_suite(
+        load_suite(str(suite_file)),
+        loaded=lambda: tiny_model(tokenizer, seed=6),
+        on_run=lambda n, t: shared.update({n: t.start_evaluation is not None}),
+    )
+    assert shared == {"one-epoch-ipd-s0": False, "two-epochs-ipd-s0": True}  # one start evaluation for both arms
+    configs = {n: load_config(str(tmp_path / "grid" / n / "config.yaml")) for n in shared}
+    assert {n: (c.arm, c.method.kind, c.method.epochs) for n, c in configs.items()} == {
+        "one-epoch-ipd-s0": ("one-epoch", "st-grpo", 1),
+        "two-epochs-ipd-s0": ("two-epochs", "st-grpo", 2),
+    }
+    assert table.methods == ["base", "one-epoch", "two-epochs"] and table.split == "validation"
+    assert table.markdown().startswith("| method (validation kernels) | ipd |")
+    assert table.title.startswith("validation expected discounted return, last checkpoint")
+    assert (tmp_path / "grid" / "table.csv").read_text().splitlines()[1].endswith(",last,discounted_return,validation")
 
 
 def _suite_recipe(tmp_path):

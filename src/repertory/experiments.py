@@ -138,11 +138,11 @@ def _train(
 
 
 def start_key(config: TrainConfig) -> str:
-    """What a run's iteration-0 evaluation depends on: its whole config but its name and its method's and
+    """What a run's iteration-0 evaluation depends on: its whole config but its name, its arm and its method's and
     learner's settings, save the discount its J is taken at. Before the first update every method's policy is
     the model (or the suite's warm start; LoRA starts at zero), evaluated on the same games, so the arms of one
     seed play the same evaluation."""
-    kept = config.model_dump(mode="json", exclude={"name", "method", "algo"})
+    kept = config.model_dump(mode="json", exclude={"name", "arm", "method", "algo"})
     return json.dumps({**kept, "gamma": config.method.gamma}, sort_keys=True)
 
 

@@ -36,7 +36,7 @@ def report(
     behaviour before and after, curves, config, evaluations and an episode browser with the final held-out games;
     self-contained, opens from file://), or (--table) the held-out expected discounted return (or outcome) of
     methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
-    from repertory.report import TABLE_METRICS, results_table, write_report
+    from repertory.report import results_table, write_report
     from repertory.runs import RunDir
 
     def warn(warning: str) -> None:
@@ -49,7 +49,7 @@ def report(
         return
     result = results_table(runs, checkpoint, metric)
     seeds = {n for _, _, n in result.cells.values()}
-    grid = Table(title=f"{TABLE_METRICS[result.metric]}, {checkpoint} checkpoint, mean ± SE over seeds")
+    grid = Table(title=result.title)
     grid.add_column("method")
     for env in result.envs:
         grid.add_column(env, justify="right")

@@ -9,6 +9,7 @@ and the allowed values in one message. Recipes shipped with repertory live in
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
@@ -55,12 +56,21 @@ from repertory.envs import env_class
 from repertory.envs.roles import RoleAdapters
 from repertory.types import RepertoryError
 
+ARM_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""What names an arm (a run directory's prefix): a letter or digit, then letters, digits, '.', '_' or '-'."""
+
 
 class TrainConfig(_Section):
     """Everything a training run needs. Every field has a default; a recipe overrides some."""
 
     name: str | None = Field(
         None, description="Run name; default: <method>-<env>-<timestamp>, after <recipe>_ for a recipe but the default."
+    )
+    arm: str | None = Field(
+        None,
+        pattern=ARM_NAME,
+        description="The run's row in a comparison (a suite methods entry's `name`: two settings of one method, "
+        "igrpo-steps-4 and igrpo-steps-8); default: the method's name (see method_name).",
     )
     recipe: str | None = Field(
         None,
@@ -95,8 +105,10 @@ class TrainConfig(_Section):
 
     @property
     def method_name(self) -> str:
-        """What trains the policy: an online method's estimator, else the round method (the run's name, the
-        CLI's and the report's label)."""
+        """The run's arm: ``arm`` where set, else what trains the policy, an online method's estimator or the round
+        method (the run's name, the CLI's and the report's label)."""
+        if self.arm is not None:
+            return self.arm
         return self.method.kind if self.round_based else getattr(self.method, "estimator", self.method.kind)
 
     @property
@@ -177,7 +189,8 @@ class SuiteConfig(_Section):
         description="Methods, one run each: a kind (igrpo), or a kind with its settings ({kind: igrpo, candidates: "
         "4}, {kind: selfplay, estimator: grpo}); each keeps the recipe's settings its kind shares. An entry's "
         "`set` holds overrides for its own runs only ({kind: adalign, set: [rollout.opponent=pool]}). A method is "
-        "named by its estimator, else its kind: the names of the runs and the table's rows.",
+        "named by its `name` ({kind: igrpo, name: igrpo-steps-4, states_per_step: 4}), else its estimator, else its "
+        "kind: the names of the runs and the table's rows.",
     )
     envs: list[str] = Field(min_length=1, description="Environments (rollout.env), one run each.")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="Seeds, one run each.")
@@ -219,6 +232,8 @@ class SuiteConfig(_Section):
             if not (isinstance(extra, list) and all(isinstance(item, str) for item in extra)):
                 raise ValueError(f"{kind}: set must be a list of key=value strings (got {extra!r})")
             name = _method_name(entry)
+            if not re.fullmatch(ARM_NAME, name):
+                raise ValueError(f"method name {name!r}: letters, digits, '.', '_' and '-' only (it names runs)")
             if name in names:
                 raise ValueError(f"two methods named {name!r}: their runs would share a directory")
             names.add(name)
@@ -247,13 +262,15 @@ class SuiteConfig(_Section):
                 )
             ]
 
-        settings = leaves({k: v for k, v in entry.items() if k not in ("kind", "set")}, "method.")
-        return _method_name(entry), [f"method.kind={entry['kind']}", *settings, *entry.get("set", [])]
+        settings = leaves({k: v for k, v in entry.items() if k not in ("kind", "name", "set")}, "method.")
+        arm = [f"arm={entry['name']}"] if "name" in entry else []
+        return _method_name(entry), [f"method.kind={entry['kind']}", *settings, *entry.get("set", []), *arm]
 
 
 def _method_name(entry: str | dict[str, Any]) -> str:
-    """A suite entry's name: its estimator where it names one (online methods share a kind), else its kind."""
-    return entry if isinstance(entry, str) else str(entry.get("estimator", entry["kind"]))
+    """A suite entry's name: its ``name`` where it gives one (two settings of one method), else its estimator where
+    it names one (online methods share a kind), else its kind."""
+    return entry if isinstance(entry, str) else str(entry.get("name", entry.get("estimator", entry["kind"])))
 
 
 class SuiteFile(_Section):

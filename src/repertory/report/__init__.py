@@ -114,8 +114,11 @@ def write_matrix_figure(
 
 # The results table of batch-online runs (docs/algorithms.md 5.7)
 
-TABLE_METRICS = {"discounted_return": "held-out expected discounted return", "outcome": "held-out outcome"}
+TABLE_METRICS = {"discounted_return": "expected discounted return", "outcome": "outcome"}
 """The scores a results table can hold: J at the method's gamma (5.7), or the mean normalised outcome."""
+
+SPLIT_NAMES = {"heldout": "held-out", "validation": "validation", "train": "train"}
+"""The kernel split of a table's evaluations (its runs' ``eval.split``), as a table's title names it."""
 
 
 NO_VALIDATION = (
@@ -127,9 +130,10 @@ NO_VALIDATION = (
 
 @dataclass
 class RunScores:
-    """One run's held-out score (J, or the outcome): of the initial policy (``base``, evaluated before the
-    first update), of the last trained checkpoint, and of the best one: the trained checkpoint with the highest
-    validation score (after ``best_iteration`` updates; None where the run has no validation scores to choose by)."""
+    """One run's held-out score (J, or the outcome; on ``split``, the run's ``eval.split``): of the initial policy
+    (``base``, evaluated before the first update), of the last trained checkpoint, and of the best one: the trained
+    checkpoint with the highest validation score (after ``best_iteration`` updates; None where the run has no
+    validation scores to choose by)."""
 
     run: Path
     method: str
@@ -139,6 +143,7 @@ class RunScores:
     best: float | None
     last: float
     best_iteration: int | None = None
+    split: str = "heldout"
 
     def score(self, checkpoint: str) -> float:
         """The held-out score of the "best" or the "last" checkpoint; RepertoryError where best cannot be chosen."""
@@ -166,7 +171,8 @@ def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return
     best = _best_iteration(sorted(trained), validation)
     method, env = config.method_name, config.rollout.env
     best_score = trained[best] if best is not None else None
-    return RunScores(run.root, method, env, config.seed, held_out.get(0), best_score, trained[max(trained)], best)
+    base, last = held_out.get(0), trained[max(trained)]
+    return RunScores(run.root, method, env, config.seed, base, best_score, last, best, config.eval.split)
 
 
 def _best_iteration(trained: list[int], validation: dict[int, float]) -> int | None:
@@ -205,6 +211,14 @@ class ResultsTable:
     why: str = ""
     """Why the table holds the outcome where none was asked for (see :func:`default_metric`); else empty."""
     contrasts: dict[tuple[str, str, str], Paired] = field(default_factory=dict)
+    split: str = "heldout"
+    """The kernel split its runs were evaluated on: a validation table is for choosing, a held-out one reports."""
+
+    @property
+    def title(self) -> str:
+        """What the table holds, e.g. "held-out outcome, last checkpoint, mean ± SE over seeds"."""
+        what = f"{SPLIT_NAMES[self.split]} {TABLE_METRICS.get(self.metric, self.metric)}"
+        return f"{what}, {self.checkpoint} checkpoint, mean ± SE over seeds"
 
     def text(self, method: str, env: str) -> str:
         cell = self.cells.get((method, env))
@@ -228,7 +242,8 @@ class ResultsTable:
         ]
 
     def markdown(self) -> str:
-        lines = ["| method | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]
+        rows = "method" if self.split == "heldout" else f"method ({SPLIT_NAMES[self.split]} kernels)"
+        lines = [f"| {rows} | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]
         lines += [f"| {m} | " + " | ".join(self.text(m, e) for e in self.envs) + " |" for m in self.methods]
         if self.contrasts:
             lines += ["", "| paired over seeds | env | difference ± SE | 95% CI | p (t, seeds − 1 df) | seeds |"]
@@ -236,17 +251,17 @@ class ResultsTable:
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
-        rows = ["method,env,mean,se,seeds,checkpoint,metric"]
+        rows = ["method,env,mean,se,seeds,checkpoint,metric,split"]
         for (method, env), (mean, se, n) in sorted(self.cells.items()):
-            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint},{self.metric}")
+            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint},{self.metric},{self.split}")
         return "\n".join(rows) + "\n"
 
     def contrasts_csv(self) -> str:
-        rows = ["method,minus,env,difference,se,ci_low,ci_high,p,seeds,checkpoint,metric"]
+        rows = ["method,minus,env,difference,se,ci_low,ci_high,p,seeds,checkpoint,metric,split"]
         for (a, b, env), c in self.contrasts.items():
             rows.append(
                 f"{a},{b},{env},{c.mean:.6f},{c.se:.6f},{c.low:.6f},{c.high:.6f},{c.p:.6g},{c.seeds},"
-                f"{self.checkpoint},{self.metric}"
+                f"{self.checkpoint},{self.metric},{self.split}"
             )
         return "\n".join(rows) + "\n"
 
@@ -312,12 +327,17 @@ def results_table(
     seed's last (or best) in-training checkpoint, mean ± SE over seeds, and the paired comparisons of its rows;
     the base row averages the initial policies. "best" is the checkpoint with the best validation score (see
     :func:`run_scores`); a run without validation evaluations is refused. Without a ``metric``,
-    :func:`default_metric` chooses."""
+    :func:`default_metric` chooses. Runs evaluated on validation kernels (``eval.split``: a suite that chooses
+    a setting) make a validation table, named so; one table never mixes splits."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
     metric, why = default_metric(runs) if metric is None else (metric, "")
     _check_metric(metric)
     scores = [run_scores(r, metric) for r in runs]
+    splits = {s.split: s.run for s in scores}
+    if len(splits) > 1:
+        named = ", ".join(f"{run} on {split}" for split, run in splits.items())
+        raise RepertoryError(f"one table holds one kernel split, but its runs were evaluated on several ({named})")
     seen: dict[tuple[str, str, int], Path] = {}
     for s in scores:
         key = (s.method, s.env, s.seed)
@@ -332,7 +352,8 @@ def results_table(
     cells = {key: (*seed_summary(list(values.values())), len(values)) for key, values in per_seed.items()}
     envs = sorted({env for _, env in cells})
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
-    return ResultsTable(envs, methods, cells, checkpoint, metric, why, paired_contrasts(per_seed, methods))
+    contrasts = paired_contrasts(per_seed, methods)
+    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, next(iter(splits), "heldout"))
 
 
 def _check_metric(metric: str) -> None:
