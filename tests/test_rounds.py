@@ -1042,6 +1042,29 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     assert {(r.eval.episodes, r.evaluation_opponent) for r in main_job.values()} == {(64, "always-cooperate")}
 
 
+def test_the_igrpo_step_count_is_chosen_on_validation_kernels_by_a_suite_of_named_arms():
+    steps = load_suite("igrpo-steps-suite")
+    runs = {name: load_config(steps.recipe, overrides) for name, overrides in suite_runs(steps)}
+    assert list(runs) == [f"igrpo-steps-{arm}-craigslist-s{s}" for s in (100, 101) for arm in ("8", "4", "4x2")]
+    assert {n: (r.method.states_per_step, r.method.epochs) for n, r in runs.items() if n.endswith("s100")} == {
+        "igrpo-steps-8-craigslist-s100": (8, 1),
+        "igrpo-steps-4-craigslist-s100": (4, 1),
+        "igrpo-steps-4x2-craigslist-s100": (4, 2),
+    }
+    # Chosen on validation kernels alone, on the grid protocol at 4 rounds; J is the paper's score.
+    assert {(r.eval.split, r.eval.every, r.eval.episodes, r.iterations) for r in runs.values()} == {
+        ("validation", 0, 64, 4)
+    }
+    assert {(r.rollout.constrained, r.method.q.features, r.method.gamma) for r in runs.values()} == {
+        (True, "response_mean", 0.95)
+    }
+    assert steps.metric == "discounted_return" and {r.arm for r in runs.values()} == {
+        "igrpo-steps-8",
+        "igrpo-steps-4",
+        "igrpo-steps-4x2",
+    }
+
+
 def test_the_grammar_suites_ship_every_game_and_omars_own_domains():
     six = load_suite("igrpo-grammar-suite")
     tables = {name: load_config(six.recipe, overrides) for name, overrides in suite_runs(six)}
