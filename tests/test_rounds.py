@@ -1065,6 +1065,17 @@ def test_the_igrpo_step_count_is_chosen_on_validation_kernels_by_a_suite_of_name
     }
 
 
+def test_an_arm_named_like_a_number_stays_a_name(tmp_path):
+    suite_file = tmp_path / "numbers.yaml"
+    suite_file.write_text(
+        "suite: {recipe: igrpo-craigslist, methods: [{kind: igrpo, name: 1e5}, {kind: st-grpo, name: 2024}], "
+        "envs: [craigslist]}\n"
+    )
+    suite = load_suite(str(suite_file))
+    runs = {name: load_config(suite.recipe, overrides) for name, overrides in suite_runs(suite)}
+    assert {name: run.arm for name, run in runs.items()} == {"1e5-craigslist-s0": "1e5", "2024-craigslist-s0": "2024"}
+
+
 def test_the_grammar_suites_ship_every_game_and_omars_own_domains():
     six = load_suite("igrpo-grammar-suite")
     tables = {name: load_config(six.recipe, overrides) for name, overrides in suite_runs(six)}

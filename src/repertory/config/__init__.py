@@ -263,7 +263,7 @@ class SuiteConfig(_Section):
             ]
 
         settings = leaves({k: v for k, v in entry.items() if k not in ("kind", "name", "set")}, "method.")
-        arm = [f"arm={entry['name']}"] if "name" in entry else []
+        arm = [f"arm={json.dumps(str(entry['name']))}"] if "name" in entry else []
         return _method_name(entry), [f"method.kind={entry['kind']}", *settings, *entry.get("set", []), *arm]
 
 
