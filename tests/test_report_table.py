@@ -11,7 +11,17 @@ from repertory.cli import main
 from repertory.config import dump_config, load_config
 from repertory.experiments import Exploitability, ExploitRun
 from repertory.report import results_table, run_scores
-from repertory.stats import Paired, bootstrap_gain, mean, paired_t, t_critical, t_two_sided_p
+from repertory.stats import (
+    Decision,
+    Paired,
+    bootstrap_gain,
+    decide,
+    mean,
+    paired_t,
+    seeds_to_decide,
+    t_critical,
+    t_two_sided_p,
+)
 from repertory.types import RepertoryError
 
 
@@ -283,6 +293,59 @@ def test_paired_t_edges():
         paired_t([0.1])
     assert paired_t([0.2, 0.2]) == Paired(0.2, 0.0, 0.2, 0.2, 0.0, 2)  # no spread: certain, whatever the df
     assert paired_t([0.0, 0.0, 0.0]).p == 1.0
+
+
+def test_seeds_to_decide_make_the_interval_narrower_than_the_effect():
+    # SD 0.01, effect 0.03: 2 t(n-1) 0.01 / sqrt(n) < 0.03 first at n = 5 (t(3) 3.182 / 2 = 1.59 >= 1.5; t(4)
+    # 2.776 / sqrt(5) = 1.241 < 1.5); SD 0.05: 2 t(44) 0.05 / sqrt(45) = 0.03004, 2 t(45) 0.05 / sqrt(46) = 0.02970
+    assert seeds_to_decide(0.01, 0.03) == 5
+    assert seeds_to_decide(0.05, 0.03) == 46
+    assert seeds_to_decide(0.0, 0.03) == 2
+    assert seeds_to_decide(10.0, 0.001) is None  # beyond what anyone would run
+    with pytest.raises(RepertoryError, match="must be positive"):
+        seeds_to_decide(0.05, 0.0)
+
+
+def test_a_contrast_says_what_it_decides_at_the_smallest_effect():
+    def paired(low, high, se=0.02):
+        return Paired((low + high) / 2, se, low, high, 0.5, 5)
+
+    assert decide(paired(0.01, 0.09), 0.03) == Decision("above 0", True)
+    assert decide(paired(-0.09, -0.01), 0.03) == Decision("below 0", True)
+    assert decide(paired(-0.02, 0.02), 0.03) == Decision("within ±0.03", True)  # level at this scale
+    # SE 0.02 over 5 seeds is an SD of 0.0447: 37 seeds narrow its CI below 0.03 (t(36) 2.028 x 0.0447 / 6.08)
+    assert decide(paired(-0.08, 0.02), 0.03) == Decision("below +0.03", False, 37)  # refutes "ahead by 0.03"
+    assert decide(paired(-0.02, 0.08), 0.03) == Decision("above −0.03", False, 37)
+    assert decide(paired(-0.1, 0.1, se=0.05), 0.03) == Decision("open", False, 216)
+
+
+def test_a_table_with_an_effect_decides_each_contrast(tmp_path, capsys):
+    # omar - gae per seed +0.01, -0.01, +0.03: mean 0.01, SD 0.02, SE 0.011547, t 0.866 (p = 1 - t / sqrt(2 + t^2)
+    # = 0.478), CI 0.01 ± 4.3027 SE = -0.0397 to +0.0597, which spans 0 and both ±0.03; 2 t(n-1) 0.02 / sqrt(n) <
+    # 0.03 first at n = 10 (t(8) 2.306 / 3 = 0.769 >= 0.75; t(9) 2.262 / 3.162 = 0.715)
+    runs = [
+        _run(tmp_path, f"{m}-{s}", "omar", "craigslist", s, [0.0], final, extra=[f"arm={m}"])
+        for m, finals in (("gae", (0.50, 0.52, 0.47)), ("omar", (0.51, 0.51, 0.50)))
+        for s, final in enumerate(finals)
+    ]
+    table = results_table(runs, effect=0.03)
+    assert table.decision_columns == ["at ±0.03", "seeds to decide"]
+    assert "| omar − gae | craigslist | +0.010 ± 0.012 | -0.040 to +0.060 | 0.478 | 3 | open | about 10 |" in (
+        table.markdown()
+    )
+    assert "| gae − base | craigslist | +0.497 ± 0.015 | +0.434 to +0.559 | < 0.001 | 3 | above 0 | — |" in (
+        table.markdown()
+    )
+    assert table.contrasts_csv().splitlines()[0].endswith(",split,effect,decided,seeds_to_decide")
+    assert ",heldout,0.03,open,10" in table.contrasts_csv()
+    assert results_table(runs).contrasts_csv().splitlines()[-1].endswith(",heldout,,,")  # no effect: empty
+    main(["report", "--table", *map(str, runs), "--effect", "0.03", "--out", str(tmp_path / "out")])
+    assert "open" in capsys.readouterr().out
+    assert (tmp_path / "out" / "contrasts.csv").read_text() == table.contrasts_csv()
+    for bad in ("0", "-0.1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["report", "--table", *map(str, runs), "--effect", bad])
+        assert "smallest effect of interest must be a positive number" in capsys.readouterr().err
 
 
 def test_the_bootstrap_over_games_within_seeds():

@@ -946,6 +946,7 @@ def test_suite_recipe_validates_every_run():
             "method name '4 steps': letters, digits, '.', '_' and '-' only (it names runs)",
         ),
         ("{recipe: default, methods: [selfplay], envs: [ipd], metric: elo}", "suite.metric"),
+        ("{recipe: default, methods: [selfplay], envs: [ipd], effect: 0}", "suite.effect"),
         (
             "{recipe: default, methods: [selfplay], envs: [ipd], env_set: {werewolf: [iterations=2]}}",
             "env_set names werewolf, not among envs (ipd)",
@@ -1028,6 +1029,13 @@ def test_the_papers_comparisons_ship_as_suites_of_online_runs():
     deals = {name: load_config(bargains.recipe, overrides) for name, overrides in suite_runs(bargains)}
     # omar-grid-suite's warm start and line-up with MT-PPO's credit added, five seeds, 64 held-out games.
     assert len(deals) == 15 and {r.method.estimator for r in deals.values()} == {"omar", "gae", "grpo"}
+    # Each claims suite's table decides its contrasts at the smallest effect its pre-registration names.
+    assert (bargains.effect, credit.effect, claims.effect, load_suite("igrpo-grammar-suite").effect) == (
+        0.03,
+        0.03,
+        0.1,
+        0.03,
+    )
     line_ups = {(r.rollout.opponent, r.eval.episodes, r.evaluation_opponent) for r in deals.values()}
     assert line_ups == {("self", 64, "bot")}
     grid_warm = WarmPlan.of(selfplay["omar-craigslist-s0"]).directory.name
@@ -1167,7 +1175,7 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     recipe = _suite_recipe(tmp_path)
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(
-        f"suite: {{recipe: {recipe}, methods: [st-grpo, mt-sft], envs: [ipd], seeds: [0, 1], "
+        f"suite: {{recipe: {recipe}, methods: [st-grpo, mt-sft], envs: [ipd], seeds: [0, 1], effect: 0.05, "
         f"output_dir: {tmp_path / 'grid'}}}\n"
     )
     suite = load_suite(str(suite_file))
@@ -1179,6 +1187,7 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     )
     assert started == ["st-grpo-ipd-s0", "mt-sft-ipd-s0", "st-grpo-ipd-s1", "mt-sft-ipd-s1"]  # seed by seed
     assert table.methods == ["base", "mt-sft", "st-grpo"] and table.cells[("st-grpo", "ipd")][2] == 2
+    assert table.effect == 0.05 and "| at ±0.05 | seeds to decide |" in (tmp_path / "grid" / "table.md").read_text()
     # A seed's second arm takes the first's iteration-0 evaluation, which is the one it would have played.
     assert shared == {"st-grpo-ipd-s0": False, "mt-sft-ipd-s0": True, "st-grpo-ipd-s1": False, "mt-sft-ipd-s1": True}
     first = {m: json.loads((tmp_path / "grid" / f"{m}-ipd-s0" / "metrics.jsonl").read_text().splitlines()[0])

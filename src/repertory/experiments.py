@@ -99,7 +99,7 @@ def run_suite(
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
-    table = results_table(runs, metric=suite.metric)
+    table = results_table(runs, metric=suite.metric, effect=suite.effect)
     table.write(Path(suite.output_dir))
     if probed:
         methods = [suite.method_overrides(entry)[0] for entry in suite.methods]

@@ -116,6 +116,10 @@ def t_two_sided_p(t: float, df: int) -> float:
     return float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
 
 
+NORMAL_975 = 1.959963984540054
+"""The standard normal's 97.5th percentile."""
+
+
 def t_critical(df: int, level: float = 0.95) -> float:
     """The t value that ``level`` of Student's t with ``df`` degrees of freedom lies within (two-sided)."""
     low, high = 0.0, 1.0
@@ -151,6 +155,49 @@ def paired_t(differences: list[float], level: float = 0.95) -> Paired:
         return Paired(m, 0.0, m, m, 1.0 if m == 0 else 0.0, n)
     half = t_critical(n - 1, level) * se
     return Paired(m, se, m - half, m + half, t_two_sided_p(m / se, n - 1), n)
+
+
+MOST_SEEDS = 10_000
+"""Where :func:`seeds_to_decide` stops counting."""
+
+
+def seeds_to_decide(sd: float, effect: float, level: float = 0.95) -> int | None:
+    """The fewest seeds at which a paired ``level`` CI of differences with standard deviation ``sd`` is narrower
+    than ``effect``: it can then hold 0 or ±``effect`` but not both, so it shows a difference or excludes the
+    effect. None beyond :data:`MOST_SEEDS` (a spread too large for the effect)."""
+    if effect <= 0:
+        raise RepertoryError(f"the smallest effect of interest must be positive (got {effect})")
+    if sd == 0:
+        return 2
+    z = 2 * NORMAL_975 * sd / effect  # t's critical value is above the normal's, so no fewer seeds than z**2
+    for n in range(max(2, math.floor(z * z)), MOST_SEEDS + 1):
+        if 2 * t_critical(n - 1, level) * sd / math.sqrt(n) < effect:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a paired comparison decides at a smallest effect of interest: its ``label``, whether it is
+    ``settled`` (nothing left open), and else the ``seeds`` that would settle it at the measured spread (None:
+    more than :data:`MOST_SEEDS`)."""
+
+    label: str
+    settled: bool
+    seeds: int | None = None
+
+
+def decide(c: Paired, effect: float) -> Decision:
+    """What a paired comparison (A − B) decides at the smallest effect of interest ``effect``. "above 0" / "below
+    0": the CI excludes 0; "within ±effect": it lies inside, so A and B are level at this scale; both settle it.
+    "below +effect" / "above −effect": it excludes that side's effect (A is not ahead, or not behind, by
+    ``effect``) and spans 0 and the other side's; "open": it spans both; these leave a question open."""
+    if c.low > 0 or c.high < 0:
+        return Decision("above 0" if c.low > 0 else "below 0", True)
+    if -effect < c.low and c.high < effect:
+        return Decision(f"within ±{effect:g}", True)
+    label = f"below +{effect:g}" if c.high < effect else f"above −{effect:g}" if c.low > -effect else "open"
+    return Decision(label, False, seeds_to_decide(c.se * math.sqrt(c.seeds), effect))
 
 
 def bootstrap_gain(groups: list[list[float]], draws: int = 10_000, seed: int = 0) -> tuple[float, float, float]:

@@ -27,7 +27,15 @@ def report(
         help="--table: discounted_return (J at the method's discount) or outcome; default J, or the outcome where a "
         "run's method.gamma is 0 (J is then 0 for every policy).",
     ),
-    out_dir: Path | None = typer.Option(None, "--out", help="--table: also write DIR/table.md and DIR/table.csv."),
+    effect: float | None = typer.Option(
+        None,
+        "--effect",
+        help="--table: the smallest effect of interest; each paired contrast then says what it decides at ±EFFECT "
+        "and how many seeds would decide what it leaves open.",
+    ),
+    out_dir: Path | None = typer.Option(
+        None, "--out", help="--table: also write DIR/table.md, DIR/table.csv and DIR/contrasts.csv."
+    ),
     max_episodes: int = typer.Option(
         300, "--max-episodes", min=0, help="Episodes in the page's browser; more are sampled evenly across iterations."
     ),
@@ -47,7 +55,7 @@ def report(
             for path in write_report(RunDir.existing(run), max_episodes, warn):
                 out.print(str(path))
         return
-    result = results_table(runs, checkpoint, metric)
+    result = results_table(runs, checkpoint, metric, effect)
     seeds = {n for _, _, n in result.cells.values()}
     grid = Table(title=result.title)
     grid.add_column("method")
@@ -59,7 +67,7 @@ def report(
     out.print(f"seeds per cell: {', '.join(map(str, sorted(seeds)))}")
     if result.contrasts:
         paired = Table(title="paired over seeds: difference of per-seed scores, t-test with seeds − 1 df")
-        for column in ("rows", "env", "difference ± SE", "95% CI", "p", "seeds"):
+        for column in ("rows", "env", "difference ± SE", "95% CI", "p", "seeds", *result.decision_columns):
             paired.add_column(column, justify="left" if column in ("rows", "env") else "right")
         for row in result.contrast_rows():
             paired.add_row(*row)

@@ -207,6 +207,13 @@ class SuiteConfig(_Section):
         "or the mean normalised outcome; default J, or the outcome where a run's method.gamma is 0 (J is then 0 "
         "for every policy).",
     )
+    effect: float | None = Field(
+        None,
+        gt=0,
+        description="The smallest effect of interest on the table's metric, as pre-registered: each paired contrast "
+        "then says what it decides at ±effect (a difference, level, or one side's effect excluded) and how many "
+        "seeds would decide what it leaves open.",
+    )
     warm_start: WarmStartConfig | None = Field(
         None, description="Every run starts from its environment's warm start (see WarmStartConfig), built once."
     )

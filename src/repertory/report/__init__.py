@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,16 @@ from repertory.report.metrics import (  # noqa: E402
     with_final,
 )
 from repertory.runs import RunDir, load_run_config  # noqa: E402
-from repertory.stats import Paired, finite_number, format_mean_se, paired_t, seed_summary  # noqa: E402
+from repertory.stats import (  # noqa: E402
+    MOST_SEEDS,
+    Decision,
+    Paired,
+    decide,
+    finite_number,
+    format_mean_se,
+    paired_t,
+    seed_summary,
+)
 from repertory.types import RepertoryError  # noqa: E402
 
 
@@ -213,6 +223,9 @@ class ResultsTable:
     contrasts: dict[tuple[str, str, str], Paired] = field(default_factory=dict)
     split: str = "heldout"
     """The kernel split its runs were evaluated on: a validation table is for choosing, a held-out one reports."""
+    effect: float | None = None
+    """The smallest effect of interest: where given, each contrast says what it decides at ±effect and how many
+    seeds would decide what it leaves open (:func:`repertory.stats.decide`)."""
 
     @property
     def title(self) -> str:
@@ -227,27 +240,34 @@ class ResultsTable:
         mean, se, seeds = cell
         return format_mean_se(mean, se) if seeds > 1 else f"{mean:.2f} (1 seed)"  # one seed has no SE to show
 
+    @property
+    def decision_columns(self) -> list[str]:
+        """The headers of :meth:`contrast_rows` after "seeds": with an ``effect``, the decision and the seeds to
+        decide; else none."""
+        return [f"at ±{self.effect:g}", "seeds to decide"] if self.effect is not None else []
+
     def contrast_rows(self) -> list[list[str]]:
-        """Each paired comparison as table cells: rows, environment, difference ± SE, 95% CI, p, seeds."""
-        return [
-            [
-                f"{a} − {b}",
-                env,
-                f"{c.mean:+.3f} ± {c.se:.3f}",
-                f"{c.low:+.3f} to {c.high:+.3f}",
-                _p_text(c.p),
-                str(c.seeds),
-            ]
-            for (a, b, env), c in self.contrasts.items()
-        ]
+        """Each paired comparison as table cells: rows, environment, difference ± SE, 95% CI, p, seeds, and with
+        an ``effect`` what it decides and the seeds that would decide the rest ("—" where nothing is open)."""
+        rows = []
+        for (a, b, env), c in self.contrasts.items():
+            row = [f"{a} − {b}", env, f"{c.mean:+.3f} ± {c.se:.3f}", f"{c.low:+.3f} to {c.high:+.3f}", _p_text(c.p)]
+            row.append(str(c.seeds))
+            if self.effect is not None:
+                decision = decide(c, self.effect)
+                row += [decision.label, _seeds_text(decision)]
+            rows.append(row)
+        return rows
 
     def markdown(self) -> str:
         rows = "method" if self.split == "heldout" else f"method ({SPLIT_NAMES[self.split]} kernels)"
         lines = [f"| {rows} | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]
         lines += [f"| {m} | " + " | ".join(self.text(m, e) for e in self.envs) + " |" for m in self.methods]
         if self.contrasts:
-            lines += ["", "| paired over seeds | env | difference ± SE | 95% CI | p (t, seeds − 1 df) | seeds |"]
-            lines += ["|---|---|---|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in self.contrast_rows()]
+            columns = ["paired over seeds", "env", "difference ± SE", "95% CI", "p (t, seeds − 1 df)", "seeds"]
+            columns += self.decision_columns
+            lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(row) + " |" for row in self.contrast_rows()]
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
@@ -257,11 +277,16 @@ class ResultsTable:
         return "\n".join(rows) + "\n"
 
     def contrasts_csv(self) -> str:
-        rows = ["method,minus,env,difference,se,ci_low,ci_high,p,seeds,checkpoint,metric,split"]
+        """One line per contrast; ``effect``, ``decided`` and ``seeds_to_decide`` are empty without an effect, and
+        ``seeds_to_decide`` where nothing is left open or more than :data:`~repertory.stats.MOST_SEEDS` would do."""
+        rows = ["method,minus,env,difference,se,ci_low,ci_high,p,seeds,checkpoint,metric,split," + CSV_DECISION]
         for (a, b, env), c in self.contrasts.items():
+            decision = decide(c, self.effect) if self.effect is not None else Decision("", True)
+            effect = "" if self.effect is None else f"{self.effect:g}"
+            seeds = "" if decision.seeds is None else str(decision.seeds)
             rows.append(
                 f"{a},{b},{env},{c.mean:.6f},{c.se:.6f},{c.low:.6f},{c.high:.6f},{c.p:.6g},{c.seeds},"
-                f"{self.checkpoint},{self.metric},{self.split}"
+                f"{self.checkpoint},{self.metric},{self.split},{effect},{decision.label},{seeds}"
             )
         return "\n".join(rows) + "\n"
 
@@ -274,8 +299,17 @@ class ResultsTable:
         return [directory / name for name in written]
 
 
+CSV_DECISION = "effect,decided,seeds_to_decide"
+
+
 def _p_text(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _seeds_text(decision: Decision) -> str:
+    if decision.settled:
+        return "—"
+    return f"about {decision.seeds}" if decision.seeds is not None else f"over {MOST_SEEDS:,}"
 
 
 POOLED = "pooled"
@@ -321,16 +355,22 @@ def _gamma(run: str | os.PathLike[str]) -> float:
 
 
 def results_table(
-    runs: Sequence[str | os.PathLike[str]], checkpoint: str = "last", metric: str | None = None
+    runs: Sequence[str | os.PathLike[str]],
+    checkpoint: str = "last",
+    metric: str | None = None,
+    effect: float | None = None,
 ) -> ResultsTable:
     """The paper's table from runs (5.7): per method and environment, the held-out J (or outcome) of each
     seed's last (or best) in-training checkpoint, mean ± SE over seeds, and the paired comparisons of its rows;
     the base row averages the initial policies. "best" is the checkpoint with the best validation score (see
     :func:`run_scores`); a run without validation evaluations is refused. Without a ``metric``,
     :func:`default_metric` chooses. Runs evaluated on validation kernels (``eval.split``: a suite that chooses
-    a setting) make a validation table, named so; one table never mixes splits."""
+    a setting) make a validation table, named so; one table never mixes splits. With ``effect``, the smallest
+    effect of interest, each contrast also says what it decides and the seeds that would decide the rest."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
+    if effect is not None and not (math.isfinite(effect) and effect > 0):
+        raise RepertoryError(f"the smallest effect of interest must be a positive number (got {effect})")
     metric, why = default_metric(runs) if metric is None else (metric, "")
     _check_metric(metric)
     scores = [run_scores(r, metric) for r in runs]
@@ -353,7 +393,8 @@ def results_table(
     envs = sorted({env for _, env in cells})
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
     contrasts = paired_contrasts(per_seed, methods)
-    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, next(iter(splits), "heldout"))
+    split = next(iter(splits), "heldout")
+    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect)
 
 
 def _check_metric(metric: str) -> None:
