@@ -4,6 +4,7 @@ strategy and its exploiters, recorded once per run, and the arms compared paired
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import tiny_checkpoint
@@ -80,3 +81,11 @@ def test_a_suite_probes_each_finished_run_once(tmp_path, tokenizer):
     written = {name: path.stat().st_mtime_ns for name, path in paths.items()}
     run_suite(suite)  # finished runs are neither trained nor probed again
     assert {name: path.stat().st_mtime_ns for name, path in paths.items()} == written
+    # Stopped while probing seed 1 (its exploiter's directory left behind, no probe record, no records yet): the
+    # rerun probes it again from its checkpoint, its exploiter started afresh, and keeps its records after.
+    paths["omar-ipd-s1"].unlink()
+    shutil.rmtree(records / "omar-ipd-s1")
+    run_suite(suite)
+    again = json.loads(paths["omar-ipd-s1"].read_text())
+    assert again["exploit"]["runs"][0]["seed"] == 0 and (records / "omar-ipd-s1" / "metrics.jsonl").is_file()
+    assert again["partners"] == record["partners"]  # the same games: the probe is seeded

@@ -312,6 +312,10 @@ def test_a_contrast_says_what_it_decides_at_the_smallest_effect():
 
     assert decide(paired(0.01, 0.09), 0.03) == Decision("above 0", True)
     assert decide(paired(-0.09, -0.01), 0.03) == Decision("below 0", True)
+    assert decide(paired(0.04, 0.09), 0.03) == Decision("above +0.03", True)  # beyond the effect
+    assert decide(paired(0.005, 0.02), 0.03) == Decision("above 0, below +0.03", True)  # real, but smaller
+    assert decide(paired(-0.02, -0.005), 0.03) == Decision("below 0, above −0.03", True)
+    assert decide(paired(-0.09, -0.04), 0.03) == Decision("below −0.03", True)
     assert decide(paired(-0.02, 0.02), 0.03) == Decision("within ±0.03", True)  # level at this scale
     # SE 0.02 over 5 seeds is an SD of 0.0447: 37 seeds narrow its CI below 0.03 (t(36) 2.028 x 0.0447 / 6.08)
     assert decide(paired(-0.08, 0.02), 0.03) == Decision("below +0.03", False, 37)  # refutes "ahead by 0.03"
@@ -333,7 +337,7 @@ def test_a_table_with_an_effect_decides_each_contrast(tmp_path, capsys):
     assert "| omar − gae | craigslist | +0.010 ± 0.012 | -0.040 to +0.060 | 0.478 | 3 | open | about 10 |" in (
         table.markdown()
     )
-    assert "| gae − base | craigslist | +0.497 ± 0.015 | +0.434 to +0.559 | < 0.001 | 3 | above 0 | — |" in (
+    assert "| gae − base | craigslist | +0.497 ± 0.015 | +0.434 to +0.559 | < 0.001 | 3 | above +0.03 | — |" in (
         table.markdown()
     )
     assert table.contrasts_csv().splitlines()[0].endswith(",split,effect,decided,seeds_to_decide")

@@ -948,6 +948,10 @@ def test_suite_recipe_validates_every_run():
         ("{recipe: default, methods: [selfplay], envs: [ipd], metric: elo}", "suite.metric"),
         ("{recipe: default, methods: [selfplay], envs: [ipd], effect: 0}", "suite.effect"),
         (
+            "{recipe: default, methods: [selfplay], envs: [ipd], output_dir: runs/x, records: runs/x/}",
+            "records is output_dir",
+        ),
+        (
             "{recipe: default, methods: [selfplay], envs: [ipd], env_set: {werewolf: [iterations=2]}}",
             "env_set names werewolf, not among envs (ipd)",
         ),
@@ -1219,6 +1223,14 @@ def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_
     table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6))
     assert sorted(p.name for p in records.iterdir()) == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]
     assert sorted(p.name for p in (records / "st-grpo-ipd-s0").iterdir()) == ["config.yaml", "metrics.jsonl"]
+    # A copy stopped here that another machine has finished since: its finished records win, nothing retrains.
+    stopped = tmp_path / "grid" / "st-grpo-ipd-s0" / "metrics.jsonl"
+    stopped.write_text("")  # stopped before its first metrics line
+    started = []
+    tiny = lambda: tiny_model(tokenizer, seed=6)  # noqa: E731
+    assert run_suite(suite, loaded=tiny, on_run=lambda n, t: started.append(n)).cells == table.cells
+    assert started == ["st-grpo-ipd-s1"]  # seed 1, finished here, only resumes to its end: no iteration runs
+    assert (records / "st-grpo-ipd-s0" / "metrics.jsonl").read_text() and not stopped.read_text()
     shutil.rmtree(tmp_path / "grid")  # a new machine: only the records came with the repository
     shutil.rmtree(records / "st-grpo-ipd-s1")
     started = []

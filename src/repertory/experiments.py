@@ -88,21 +88,21 @@ def run_suite(
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
         recorded = RunDir(kept / name)
-        if suite.records is not None and not run_dir.is_run() and finished(recorded):
-            runs.append(recorded)
-        else:
+        # finished records win over a run stopped here, which another machine may have finished since
+        trained_here = suite.records is None or not finished(recorded) or finished(run_dir)
+        if trained_here:
             config = load_config(suite.recipe, overrides)
             _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, starts)
-            runs.append(run_dir)
-            if suite.records is not None:
-                keep_records(run_dir, kept)
+        runs.append(run_dir if trained_here else recorded)
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
+        if suite.records is not None and trained_here:  # after its probes: records mean a run needs nothing more
+            keep_records(run_dir, kept)
     table = results_table(runs, metric=suite.metric, effect=suite.effect)
     table.write(Path(suite.output_dir))
     if probed:
-        methods = [suite.method_overrides(entry)[0] for entry in suite.methods]
+        methods = list(dict.fromkeys(record["method"] for record in probed))  # the runs' own names, suite order
         (Path(suite.output_dir) / "probes.md").write_text(probes_markdown(probed, methods))
     return table
 
@@ -173,8 +173,9 @@ def keep_records(run: RunDir, records: Path) -> None:
     """Copy a finished run's :data:`RECORDS` into ``records/<run>/``."""
     target = records / run.name
     target.mkdir(parents=True, exist_ok=True)
-    for name in RECORDS:
-        shutil.copyfile(run / name, target / name)
+    for name in RECORDS:  # each file whole or not at all: a torn metrics.jsonl would read as finished
+        shutil.copyfile(run / name, target / f"{name}.tmp")
+        (target / f"{name}.tmp").replace(target / name)
 
 
 def probe_run(
@@ -215,6 +216,7 @@ def probe_run(
     fit = env_class(env).strategy_fit(games)
     record["strategy"] = fit.to_json() if fit is not None else None
     if probes.exploiters:
+        shutil.rmtree(exploiters, ignore_errors=True)  # a probe stopped before its record: its exploiters start again
         record["exploit"] = exploitability(
             env, str(run_dir.root), probes.exploiter_iterations, probes.exploiters, probes.episodes, exploiters,
             probes.exploiter_set, loaded,

@@ -188,16 +188,26 @@ class Decision:
 
 
 def decide(c: Paired, effect: float) -> Decision:
-    """What a paired comparison (A − B) decides at the smallest effect of interest ``effect``. "above 0" / "below
-    0": the CI excludes 0; "within ±effect": it lies inside, so A and B are level at this scale; both settle it.
-    "below +effect" / "above −effect": it excludes that side's effect (A is not ahead, or not behind, by
-    ``effect``) and spans 0 and the other side's; "open": it spans both; these leave a question open."""
-    if c.low > 0 or c.high < 0:
-        return Decision("above 0" if c.low > 0 else "below 0", True)
+    """What a paired comparison (A − B) decides at the smallest effect of interest ``effect`` (δ). Where its CI
+    excludes 0 the difference is shown: "above 0", and "above +δ" where the CI is wholly beyond the effect, or
+    "above 0, below +δ" where the difference is real but smaller than the effect (and the same below 0). Where it
+    holds 0: "within ±δ" (level at this scale) settles it too; "below +δ" / "above −δ" exclude one side's effect
+    (A is not ahead, or not behind, by δ) and span 0 and the other's; "open" spans both. These leave a question
+    open, with the seeds that would settle it."""
+    if c.low > 0:
+        return Decision(_beyond_zero("above", "below", "+", c.low >= effect, c.high < effect, effect), True)
+    if c.high < 0:
+        return Decision(_beyond_zero("below", "above", "−", c.high <= -effect, c.low > -effect, effect), True)
     if -effect < c.low and c.high < effect:
         return Decision(f"within ±{effect:g}", True)
     label = f"below +{effect:g}" if c.high < effect else f"above −{effect:g}" if c.low > -effect else "open"
     return Decision(label, False, seeds_to_decide(c.se * math.sqrt(c.seeds), effect))
+
+
+def _beyond_zero(side: str, other: str, sign: str, past: bool, short: bool, effect: float) -> str:
+    if past:
+        return f"{side} {sign}{effect:g}"
+    return f"{side} 0, {other} {sign}{effect:g}" if short else f"{side} 0"
 
 
 def bootstrap_gain(groups: list[list[float]], draws: int = 10_000, seed: int = 0) -> tuple[float, float, float]:

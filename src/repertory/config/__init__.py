@@ -251,6 +251,8 @@ class SuiteConfig(_Section):
         unknown = sorted(set(self.env_set) - set(self.envs))
         if unknown:
             raise ValueError(f"env_set names {', '.join(unknown)}, not among envs ({', '.join(self.envs)})")
+        if self.records is not None and Path(self.records).resolve() == Path(self.output_dir).resolve():
+            raise ValueError(f"records is output_dir ({self.records}): records are copies kept apart from the runs")
         return self
 
     def method_overrides(self, entry: str | dict[str, Any]) -> tuple[str, list[str]]:
