@@ -159,6 +159,22 @@ def test_rows_are_also_paired_over_every_game_and_seed_together(tmp_path):
     assert "| mt-kto − igrpo | pooled | -0.150 ± 0.096 |" in table.markdown()
 
 
+def test_each_arm_is_paired_with_its_own_start_where_the_arms_did_not_share_one(tmp_path):
+    # igrpo starts at 0.10, 0.20 and ends at 0.50, 0.70; mt-kto (say, J at another discount) starts at 0.30, 0.40
+    # and ends at 0.40, 0.60. The base row is each seed's mean start (0.20, 0.30); each arm's rise is its own:
+    # igrpo +0.40, +0.50 and mt-kto +0.10, +0.20, not measured from the other arm's start.
+    runs = [
+        _run(tmp_path, f"{m}-{s}", m, "craigslist", s, [start], final)
+        for m, starts, finals in (("igrpo", (0.1, 0.2), (0.5, 0.7)), ("mt-kto", (0.3, 0.4), (0.4, 0.6)))
+        for s, start, final in zip((0, 1), starts, finals)
+    ]
+    table = results_table(runs)
+    assert table.cells[("base", "craigslist")] == (pytest.approx(0.25), pytest.approx(0.05), 2)
+    assert table.contrasts[("igrpo", "base", "craigslist")].mean == pytest.approx(0.45)
+    assert table.contrasts[("mt-kto", "base", "craigslist")].mean == pytest.approx(0.15)
+    assert table.contrasts[("mt-kto", "igrpo", "craigslist")].mean == pytest.approx(-0.10)
+
+
 def test_table_errors(tmp_path, runs):
     with pytest.raises(RepertoryError, match="not a run directory"):
         results_table([tmp_path / "nothing"])

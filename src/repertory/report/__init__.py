@@ -34,6 +34,7 @@ from repertory.stats import (  # noqa: E402
     decide,
     finite_number,
     format_mean_se,
+    mean,
     paired_t,
     seed_summary,
 )
@@ -237,8 +238,8 @@ class ResultsTable:
         cell = self.cells.get((method, env))
         if cell is None:
             return "—"
-        mean, se, seeds = cell
-        return format_mean_se(mean, se) if seeds > 1 else f"{mean:.2f} (1 seed)"  # one seed has no SE to show
+        value, se, seeds = cell
+        return format_mean_se(value, se) if seeds > 1 else f"{value:.2f} (1 seed)"  # one seed has no SE to show
 
     @property
     def decision_columns(self) -> list[str]:
@@ -272,8 +273,8 @@ class ResultsTable:
 
     def csv(self) -> str:
         rows = ["method,env,mean,se,seeds,checkpoint,metric,split"]
-        for (method, env), (mean, se, n) in sorted(self.cells.items()):
-            rows.append(f"{method},{env},{mean:.6f},{se:.6f},{n},{self.checkpoint},{self.metric},{self.split}")
+        for (method, env), (value, se, n) in sorted(self.cells.items()):
+            rows.append(f"{method},{env},{value:.6f},{se:.6f},{n},{self.checkpoint},{self.metric},{self.split}")
         return "\n".join(rows) + "\n"
 
     def contrasts_csv(self) -> str:
@@ -312,22 +313,29 @@ def _seeds_text(decision: Decision) -> str:
     return f"about {decision.seeds}" if decision.seeds is not None else f"over {MOST_SEEDS:,}"
 
 
+BASE = "base"
+"""The row of the initial policies, evaluated before the first update."""
+
 POOLED = "pooled"
 """The environment of a contrast over the (environment, seed) pairs of every environment together."""
 
 
 def paired_contrasts(
-    per_seed: dict[tuple[str, str], dict[int, float]], methods: list[str]
+    per_seed: dict[tuple[str, str], dict[int, float]],
+    methods: list[str],
+    own_bases: dict[tuple[str, str], dict[int, float]] | None = None,
 ) -> dict[tuple[str, str, str], Paired]:
     """Every later row of ``methods`` against every earlier one on the same environment, paired by the seeds
-    both have (at least 2): the base row first, so each method is also compared with its initial policy. Where
-    two rows share seeds in more than one environment, also over all their (environment, seed) pairs
-    (:data:`POOLED`; t with pairs − 1 degrees of freedom)."""
+    both have (at least 2): the base row first, so each method is also compared with its initial policy — its
+    own runs' (``own_bases``, by method and environment) where given. Where two rows share seeds in more than
+    one environment, also over all their (environment, seed) pairs (:data:`POOLED`; t with pairs − 1 degrees of
+    freedom)."""
     out = {}
     pooled: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for (b, env), earlier in sorted(per_seed.items(), key=lambda item: (item[0][1], methods.index(item[0][0]))):
+    for (b, env), row in sorted(per_seed.items(), key=lambda item: (item[0][1], methods.index(item[0][0]))):
         for a in methods[methods.index(b) + 1 :]:
             later = per_seed.get((a, env), {})
+            earlier = (own_bases or {}).get((a, env), row) if b == BASE else row
             differences = [later[s] - earlier[s] for s in sorted(set(earlier) & set(later))]
             if len(differences) >= 2:
                 out[(a, b, env)] = paired_t(differences)
@@ -385,16 +393,32 @@ def results_table(
             raise RepertoryError(f"{seen[key]} and {s.run} are both {s.method} on {s.env} with seed {s.seed}")
         seen[key] = s.run
     per_seed: dict[tuple[str, str], dict[int, float]] = {}
+    own_bases: dict[tuple[str, str], dict[int, float]] = {}
     for s in sorted(scores, key=lambda s: str(s.run)):
         per_seed.setdefault((s.method, s.env), {})[s.seed] = s.score(checkpoint)
         if s.base is not None:
-            per_seed.setdefault(("base", s.env), {}).setdefault(s.seed, s.base)
+            own_bases.setdefault((s.method, s.env), {})[s.seed] = s.base
+    per_seed.update(_base_rows(own_bases))
     cells = {key: (*seed_summary(list(values.values())), len(values)) for key, values in per_seed.items()}
     envs = sorted({env for _, env in cells})
-    methods = sorted({m for m, _ in cells}, key=lambda m: (m != "base", m))
-    contrasts = paired_contrasts(per_seed, methods)
+    methods = sorted({m for m, _ in cells}, key=lambda m: (m != BASE, m))
+    contrasts = paired_contrasts(per_seed, methods, own_bases)
     split = next(iter(splits), "heldout")
     return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect)
+
+
+def _base_rows(own_bases: dict[tuple[str, str], dict[int, float]]) -> dict[tuple[str, str], dict[int, float]]:
+    """The base row of each environment: per seed, the mean of its runs' initial scores. The arms of a seed
+    usually share one start evaluation, so this is that score; where they do not (an arm's own evaluation
+    settings, J at its own discount, runs from different machines), each arm is still paired with its own."""
+    gathered: dict[tuple[str, int], list[float]] = {}
+    for (_, env), by_seed in own_bases.items():
+        for seed, score in by_seed.items():
+            gathered.setdefault((env, seed), []).append(score)
+    rows: dict[tuple[str, str], dict[int, float]] = {}
+    for (env, seed), scores in sorted(gathered.items()):
+        rows.setdefault((BASE, env), {})[seed] = mean(scores)
+    return rows
 
 
 def _check_metric(metric: str) -> None:
