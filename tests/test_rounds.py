@@ -1238,6 +1238,13 @@ def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_
     assert started == ["st-grpo-ipd-s1"]  # the run with records is not trained again
     assert again.cells == table.cells  # seed 0 read from its records, seed 1 trained again alike
     assert (records / "st-grpo-ipd-s1" / "metrics.jsonl").is_file()
+    # The suite edited after its runs: each is kept, and the change is named for every one of them.
+    edited, warned = suite.model_copy(update={"set": [*suite.set, "checkpoint_every=7"]}), []
+    assert run_suite(edited, loaded=tiny, warn=warned.append).cells == table.cells
+    assert warned == [
+        f"st-grpo-ipd-s{seed} was trained with other settings than the suite now gives it (checkpoint_every)"
+        for seed in (0, 1)
+    ]
 
 
 def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_from_it(tmp_path, tokenizer):
@@ -1268,9 +1275,10 @@ def test_a_warm_started_suite_imitates_the_partner_once_and_starts_every_run_fro
         run = load_config(str(grid / f"st-grpo-ipd-s{seed}" / "config.yaml"))
         assert run.model.name == str(warm / "model") and run.warm_start.episodes == 3
     assert table.methods == ["base", "st-grpo"]  # the warm start is the base row, not a method of the grid
-    again = []
-    run_suite(suite, on_run=lambda n, t: again.append(n))
+    again, warned = [], []
+    run_suite(suite, on_run=lambda n, t: again.append(n), warn=warned.append)
     assert again == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]  # resumed finished runs: nothing retrains
+    assert warned == []  # each run's model is its warm start's export, as the suite gives it
     assert [p.name for p in (grid / "warm-starts").iterdir()] == [warm.name]
 
 

@@ -31,7 +31,7 @@ from repertory.report import ResultsTable, paired_contrasts, results_table
 from repertory.report.metrics import read_metrics
 from repertory.runs import RunDir, is_run_or_checkpoint, load_run_config
 from repertory.stats import bootstrap_gain, mean_se, seed_summary
-from repertory.train import Trainer, check_names, resume_run, start_run
+from repertory.train import Trainer, check_names, from_warm_start, resume_run, start_run
 from repertory.types import Episode, RepertoryError, derive
 
 
@@ -76,11 +76,13 @@ def run_suite(
     loaded: Callable[[], LoadedModel] | None = None,
     on_run: Callable[[str, Trainer], None] | None = None,
     on_line: Callable[[dict[str, Any]], None] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> ResultsTable:
     """Train every run of the grid one after the other — a finished run is skipped (here, or in
     ``suite.records``), an interrupted one resumed, so rerunning the suite continues it, on this machine or
     another — then write ``table.md``, ``table.csv`` and ``contrasts.csv`` (and with probes ``probes.md``) into
-    the output directory."""
+    the output directory. ``warn`` hears of each existing run whose settings the suite now gives differently
+    (:func:`drift`): it is kept, and its table compares it with runs trained as the suite says now."""
     runs: list[RunDir] = []
     probed: list[dict[str, Any]] = []
     starts: dict[str, dict[str, Any]] = {}  # start_key -> an iteration-0 evaluation played in this process
@@ -90,8 +92,12 @@ def run_suite(
         recorded = RunDir(kept / name)
         # finished records win over a run stopped here, which another machine may have finished since
         trained_here = suite.records is None or not finished(recorded) or finished(run_dir)
+        config = load_config(suite.recipe, overrides)
+        existing = run_dir if trained_here else recorded
+        changed = drift(existing, config) if existing.is_run() else []
+        if changed and warn is not None:
+            warn(f"{name} was trained with other settings than the suite now gives it ({', '.join(changed)})")
         if trained_here:
-            config = load_config(suite.recipe, overrides)
             _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, starts)
         runs.append(run_dir if trained_here else recorded)
         if suite.probes is not None:
@@ -135,6 +141,28 @@ def _train(
     played = start_evaluation(run_dir)
     if fresh and played:
         starts.setdefault(key, played)
+
+
+def drift(run: RunDir, config: TrainConfig) -> list[str]:
+    """The settings (dotted keys) in which ``run``'s saved config differs from ``config``, what the suite gives
+    it now (a warm-started run starts from its warm start's export, as its config says)."""
+    if config.warm_start is not None:
+        config = from_warm_start(config)
+    saved, wanted = (
+        _settings(load_run_config(run.config).model_dump(mode="json")),
+        _settings(config.model_dump(mode="json")),
+    )
+    return sorted(key for key in saved.keys() | wanted.keys() if saved.get(key) != wanted.get(key))
+
+
+def _settings(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(_settings(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def start_key(config: TrainConfig) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from repertory.cli.common import count, out
+from repertory.cli.common import count, err, out
 from repertory.types import RepertoryError
 
 
@@ -169,7 +169,10 @@ def _train_suite(suite, quiet: bool) -> None:
                 parts.append(f"{label} {line[key]:.3f}")
         out.print("  " + " | ".join(parts), style="dim")
 
-    table = run_suite(suite, on_run=on_run, on_line=on_line)
+    def warn(warning: str) -> None:
+        err.print(f"warning: {warning}", markup=False)
+
+    table = run_suite(suite, on_run=on_run, on_line=on_line, warn=warn)
     out.print(table.markdown())
     out.print(f"wrote {suite.output_dir}/table.md, table.csv and contrasts.csv")
     if suite.probes is not None:

@@ -94,6 +94,13 @@ def warm_started(
     return export_policy(run.root, model, config.model.device or "cpu")
 
 
+def from_warm_start(config: TrainConfig, model: Path | None = None) -> TrainConfig:
+    """``config`` as its run saves it: starting from its warm start's export (``model``; default where
+    :func:`warm_started` puts it)."""
+    path = model if model is not None else warm.WarmPlan.of(config).directory / warm.MODEL
+    return config.model_copy(update={"model": config.model.model_copy(update={"name": str(path)})})
+
+
 def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer:
     """Create the run directory (process 0 of data-parallel training), write the resolved config, build the
     trainer. Under a launcher (``WORLD_SIZE`` > 1) it joins the process group first. With ``warm_start`` the run
@@ -101,8 +108,7 @@ def start_run(config: TrainConfig, loaded: LoadedModel | None = None) -> Trainer
     distributed.initialise()
     check_names(config)
     if config.warm_start is not None:
-        path = warm_started(config, loaded)
-        config = config.model_copy(update={"model": config.model.model_copy(update={"name": str(path)})})
+        config = from_warm_start(config, warm_started(config, loaded))
         loaded = None
     run_dir = distributed.broadcast(new_run_dir(config) if distributed.is_main() else None)
     trainer = build(config, run_dir, loaded)
@@ -143,6 +149,7 @@ __all__ = [
     "Trainer",
     "build",
     "check_names",
+    "from_warm_start",
     "resume_run",
     "start_run",
     "warm_started",
