@@ -1210,6 +1210,10 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
     assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again
+    lost = tmp_path / "grid" / "mt-sft-ipd-s1" / "metrics.jsonl"
+    lost.write_text("")  # a crash kept the checkpoint but not the metrics lines written before it
+    with pytest.raises(RepertoryError, match="metrics.jsonl lacks the last lines or the final evaluation"):
+        run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6))
 
 
 def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_path, tokenizer):

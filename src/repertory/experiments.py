@@ -31,7 +31,7 @@ from repertory.report import ResultsTable, paired_contrasts, results_table
 from repertory.report.metrics import read_metrics
 from repertory.runs import RunDir, is_run_or_checkpoint, load_run_config
 from repertory.stats import bootstrap_gain, mean_se, seed_summary
-from repertory.train import Trainer, check_names, from_warm_start, resume_run, start_run
+from repertory.train import Trainer, check_names, distributed, from_warm_start, resume_run, start_run
 from repertory.types import Episode, RepertoryError, derive
 
 
@@ -138,6 +138,12 @@ def _train(
         on_run(run_dir.name, trainer)
     if trainer.iteration < trainer.config.iterations:
         trainer.fit(on_line)
+    if distributed.is_main() and not finished(run_dir):  # its checkpoint outlived the metrics lines after it
+        raise RepertoryError(
+            f"{run_dir} has a checkpoint after all {trainer.config.iterations} iterations, but its metrics.jsonl "
+            "lacks the last lines or the final evaluation (lost in a crash?); delete its last checkpoint "
+            "under checkpoints/ to train that iteration again"
+        )
     played = start_evaluation(run_dir)
     if fresh and played:
         starts.setdefault(key, played)
