@@ -20,6 +20,7 @@ from repertory.config import (
     SuiteFile,
     TrainConfig,
     describe_error,
+    leaves,
     load_config,
     recipe_names,
     recipe_text,
@@ -161,14 +162,8 @@ def drift(run: RunDir, config: TrainConfig) -> list[str]:
     return sorted(key for key in saved.keys() | wanted.keys() if saved.get(key) != wanted.get(key))
 
 
-def _settings(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            out.update(_settings(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _settings(node: dict[str, Any]) -> dict[str, Any]:
+    return {".".join(path): value for path, value in leaves(node)}
 
 
 def start_key(config: TrainConfig) -> str:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from repertory.config.compat import switch_kind, translate, translate_override
+from repertory.config.compat import leaves, switch_kind, translate, translate_override
 from repertory.config.methods import (
     METHOD_CONFIGS,
     AdAlignConfig,
@@ -445,6 +445,7 @@ __all__ = [
     "WarmStartConfig",
     "describe_error",
     "dump_config",
+    "leaves",
     "load_config",
     "recipe_name",
     "recipe_names",

@@ -106,11 +106,12 @@ def translate_override(path: list[str], value: Any, data: dict[str, Any]) -> lis
     return [(list(new_path(key)), value)]
 
 
-def _flatten(node: dict[str, Any], prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+def leaves(node: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every non-dict value of a nested dict (an empty dict counts as a value), with its key path."""
     out = []
     for key, value in node.items():
         if isinstance(value, dict) and value:
-            out += _flatten(value, (*prefix, key))
+            out += leaves(value, (*prefix, key))
         else:
             out.append(((*prefix, key), value))
     return out
@@ -153,7 +154,7 @@ def translate(data: dict[str, Any]) -> dict[str, Any]:
     turn, token = _gamma_sources(kind, str(algo.get("estimator", "omar")))
     fields = METHOD_CONFIGS[kind].model_fields if kind in METHOD_CONFIGS else {}
     method: dict[str, Any] = {"kind": kind}
-    for path, value in _flatten({k: data[k] for k in ("algo", "rounds", "critic", "pool") if k in data}, ()):
+    for path, value in leaves({k: data[k] for k in ("algo", "rounds", "critic", "pool") if k in data}):
         if value is None or path == ("rounds", "method") or path[0] == "algo" and path[1] not in ESTIMATOR_KNOBS:
             continue  # null meant the default then as now
         if kind.startswith("archer") and path == ("rounds", "batch_size"):
