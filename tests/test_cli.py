@@ -257,6 +257,20 @@ def test_envs_names_textarena_games(capsys):
     assert code == 0 and "textarena:<EnvId>" in out and "repertory[textarena]" in out
 
 
+@pytest.mark.parametrize("split,name", [("heldout", "held-out"), ("validation", "validation")])
+def test_progress_lines_name_the_kernel_split_the_evaluation_played(capsys, split, name):
+    from types import SimpleNamespace
+
+    from repertory.cli.train import _train_progress
+    from repertory.config import load_config
+
+    config = load_config(None, [f"eval.split={split}"])
+    on_line, progress = _train_progress(SimpleNamespace(config=config, iteration=0), quiet=False)
+    with progress:
+        on_line({"iteration": 0, "eval/outcome": 0.5, "kl": 0.01})
+    assert f"iteration 0 | {name} 0.500 | KL 0.0100" in capsys.readouterr().out
+
+
 def test_the_train_banner_names_the_recipe_the_method_and_the_game():
     from types import SimpleNamespace
 

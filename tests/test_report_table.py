@@ -220,10 +220,37 @@ def test_the_table_of_outcomes_reads_the_outcome_lines(runs, tmp_path, capsys):
     assert table.csv().splitlines()[1] == "base,craigslist,0.250000,0.050000,2,best,outcome,heldout"
     main(["report", "--table", *map(str, runs[:2]), "--metric", "outcome", "--checkpoint", "best"])
     assert "held-out outcome, best checkpoint" in capsys.readouterr().out
-    with pytest.raises(RepertoryError, match="metric must be one of discounted_return, outcome"):
+    with pytest.raises(RepertoryError, match="logs no 'elo'; a table holds the held-out discounted_return or outcome"):
         results_table(runs, metric="elo")
     with pytest.raises(RepertoryError, match="no held-out evaluation of a trained checkpoint"):
         results_table(runs[2:3], metric="outcome")
+
+
+def test_a_training_metric_is_tabled_as_each_runs_mean_over_its_iterations(tmp_path, capsys):
+    # omar's quality correlation per iteration: seed 0 0.2, 0.4 (a NaN iteration left out) -> 0.3; seed 1 0.1, 0.3
+    # -> 0.2. grpo's: seed 0 0.1; seed 1 0.0, 0.1 -> 0.05. Paired omar - grpo: 0.2, 0.15 -> 0.175 ± 0.025
+    runs = []
+    for arm, seed, values in [("omar", 0, [0.2, math.nan, 0.4]), ("omar", 1, [0.1, 0.3]), ("grpo", 0, [0.1]),
+                              ("grpo", 1, [0.0, 0.1])]:  # fmt: skip
+        run = _run(tmp_path, f"{arm}-{seed}", "omar", "craigslist", seed, [0.5], 0.6, extra=[f"method.estimator={arm}"])
+        lines = [{"iteration": k, "credit/quality_corr": v} for k, v in enumerate(values)]
+        lines[0] |= {"eval/discounted_return": 0.5}
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        runs.append(run)
+    table = results_table(runs, metric="credit/quality_corr")
+    assert table.cells[("omar", "craigslist")] == (pytest.approx(0.25), pytest.approx(0.05), 2)
+    assert table.cells[("grpo", "craigslist")] == (pytest.approx(0.075), pytest.approx(0.025), 2)
+    assert ("base", "craigslist") not in table.cells  # a training metric has no start evaluation
+    paired = table.contrasts[("omar", "grpo", "craigslist")]
+    assert (paired.mean, paired.se, paired.seeds) == (pytest.approx(0.175), pytest.approx(0.025), 2)
+    assert table.title == "credit/quality_corr, mean over each run's iterations, mean ± SE over seeds"
+    assert table.markdown().startswith("| method (train kernels) | craigslist |")
+    main(["report", "--table", *map(str, runs), "--metric", "credit/quality_corr"])
+    assert "omar − grpo" in capsys.readouterr().out
+    with pytest.raises(RepertoryError, match="--checkpoint best chooses among evaluated checkpoints"):
+        results_table(runs, "best", metric="credit/quality_corr")
+    with pytest.raises(RepertoryError, match="logs no 'kl'"):
+        results_table(runs, metric="kl")
 
 
 def test_report_redraws_a_runs_figures(runs, capsys):

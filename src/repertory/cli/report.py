@@ -25,7 +25,8 @@ def report(
         None,
         "--metric",
         help="--table: discounted_return (J at the method's discount) or outcome; default J, or the outcome where a "
-        "run's method.gamma is 0 (J is then 0 for every policy).",
+        "run's method.gamma is 0 (J is then 0 for every policy). Any other metric the runs log while they train "
+        "(credit/quality_corr, kl...) tables each run's mean over its iterations.",
     ),
     effect: float | None = typer.Option(
         None,

@@ -21,6 +21,8 @@ def _train_progress(trainer, quiet: bool):
         TimeRemainingColumn,
     )
 
+    from repertory.report.metrics import SPLIT_NAMES
+
     progress = Progress(
         TextColumn("[bold]train"),
         BarColumn(),
@@ -33,6 +35,7 @@ def _train_progress(trainer, quiet: bool):
         disable=quiet,
     )
     task = progress.add_task("train", total=trainer.config.iterations, completed=trainer.iteration, status="rollout...")
+    split = SPLIT_NAMES[trainer.config.eval.split]
 
     def on_line(line: dict) -> None:
         parts = [f"iteration {line['iteration']}"]
@@ -42,7 +45,7 @@ def _train_progress(trainer, quiet: bool):
         if "outcome" in line:  # a round that learns from a user's logs plays no game
             parts.append(f"outcome {line['outcome']:.3f}")
         if "eval/outcome" in line:
-            parts.append(f"held-out {line['eval/outcome']:.3f}")
+            parts.append(f"{split} {line['eval/outcome']:.3f}")
         if "q/val_spearman" in line:
             parts.append(f"Q rank corr. {line['q/val_spearman']:.2f}")
         parts.append(f"KL {line.get('kl', 0.0):.4f}")
@@ -89,7 +92,7 @@ def train(
     from repertory.config import load_config, recipe_name
     from repertory.envs import env_class
     from repertory.experiments import load_suite
-    from repertory.report.metrics import behaviour_change, held_out_change, read_metrics
+    from repertory.report.metrics import SPLIT_NAMES, behaviour_change, held_out_change, read_metrics
     from repertory.runs import RunDir
     from repertory.train import distributed, resume_run, start_run
 
@@ -132,11 +135,12 @@ def train(
     lines = read_metrics(run)
     change = held_out_change(lines)
     if change is not None:
-        out.print(f"held-out outcome against {trainer.config.evaluation_opponent}: {change.describe()}")
+        split = SPLIT_NAMES[trainer.config.eval.split]
+        out.print(f"{split} outcome against {trainer.config.evaluation_opponent}: {change.describe()}")
     key = env_class(trainer.config.rollout.env).key_metric
     behaviour = behaviour_change(lines, key) if key is not None else None
     if behaviour is not None:
-        out.print(f"held-out {behaviour.describe()}")
+        out.print(f"{SPLIT_NAMES[trainer.config.eval.split]} {behaviour.describe()}")
     out.print(f"metrics: {run.metrics}; learning curves: {run.report}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
     out.print(f"report (open it in a browser): {run.page.resolve()}")
@@ -144,6 +148,7 @@ def train(
 
 def _train_suite(suite, quiet: bool) -> None:
     from repertory.experiments import run_suite, suite_runs
+    from repertory.report.metrics import SPLIT_NAMES
 
     names = [name for name, _ in suite_runs(suite)]
     out.print(f"suite: {len(names)} runs ({', '.join(names)}) -> {suite.output_dir}")
@@ -152,10 +157,10 @@ def _train_suite(suite, quiet: bool) -> None:
             f"warm start per environment: {suite.warm_start.episodes} bot-vs-bot demonstrations, "
             f"{suite.warm_start.epochs} mt-sft epochs, then every run of the environment starts from it"
         )
-    current = {"name": ""}
+    current = {"name": "", "split": ""}
 
     def on_run(name, trainer) -> None:
-        current["name"] = name
+        current["name"], current["split"] = name, SPLIT_NAMES[trainer.config.eval.split]
         unit = "round" if trainer.config.round_based else "iteration"
         out.print(f"run {name}: {trainer.iteration} of {count(trainer.config.iterations, unit)} done")
 
@@ -163,7 +168,7 @@ def _train_suite(suite, quiet: bool) -> None:
         if quiet:
             return
         parts = [f"{current['name']} iteration {line['iteration']}"]
-        labels = (("eval/outcome", "held-out outcome"), ("eval/discounted_return", "held-out J"))
+        labels = (("eval/outcome", f"{current['split']} outcome"), ("eval/discounted_return", f"{current['split']} J"))
         for key, label in (*labels, ("q/val_spearman", "Q rank corr.")):
             if key in line:
                 parts.append(f"{label} {line[key]:.3f}")

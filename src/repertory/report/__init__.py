@@ -19,6 +19,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from repertory.report.metrics import (  # noqa: E402
     FIGURES,
     J_IS_ZERO,
+    SPLIT_NAMES,
     Series,
     metric_series,
     read_metrics,
@@ -128,9 +129,6 @@ def write_matrix_figure(
 TABLE_METRICS = {"discounted_return": "expected discounted return", "outcome": "outcome"}
 """The scores a results table can hold: J at the method's gamma (5.7), or the mean normalised outcome."""
 
-SPLIT_NAMES = {"heldout": "held-out", "validation": "validation", "train": "train"}
-"""The kernel split of a table's evaluations (its runs' ``eval.split``), as a table's title names it."""
-
 
 NO_VALIDATION = (
     "--checkpoint best selects on validation evaluations (eval/validation/*), and this run lacks them beside its "
@@ -168,11 +166,16 @@ class RunScores:
 def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return") -> RunScores:
     """Read a run's config and metrics; the score of pi_k is ``eval/METRIC`` on iteration k's line (the
     policy before that iteration's update) or ``final/METRIC`` after the last one, and its validation score
-    ``eval/validation/METRIC`` or ``final/validation/METRIC``."""
-    _check_metric(metric)
+    ``eval/validation/METRIC`` or ``final/validation/METRIC``. A metric outside :data:`TABLE_METRICS` is one
+    the run logs while it trains (``credit/quality_corr``, ``kl``...): its score is the mean over the iterations
+    that log it, with no base and nothing to choose."""
     run = RunDir.existing(run_dir)
     config = load_run_config(run.config)
     lines = read_metrics(run)
+    method, env = config.method_name, config.rollout.env
+    if metric not in TABLE_METRICS:
+        trained_mean = _iteration_mean(run, lines, metric)
+        return RunScores(run.root, method, env, config.seed, None, None, trained_mean, split="train")
     held_out, validation = _curve(lines, metric), _curve(lines, f"validation/{metric}")
     trained = {k: v for k, v in held_out.items() if k >= 1}
     if not trained:
@@ -180,7 +183,6 @@ def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return
             f"{run}: no held-out evaluation of a trained checkpoint in metrics.jsonl (train with eval.episodes > 0)"
         )
     best = _best_iteration(sorted(trained), validation)
-    method, env = config.method_name, config.rollout.env
     best_score = trained[best] if best is not None else None
     base, last = held_out.get(0), trained[max(trained)]
     return RunScores(run.root, method, env, config.seed, base, best_score, last, best, config.eval.split)
@@ -195,6 +197,16 @@ def _best_iteration(trained: list[int], validation: dict[int, float]) -> int | N
     if any(k not in validation for k in trained):
         return None
     return max(trained, key=lambda k: (validation[k], -k))
+
+
+def _iteration_mean(run: RunDir, lines: list[dict[str, Any]], metric: str) -> float:
+    values = [float(line[metric]) for line in lines if finite_number(line.get(metric))]
+    if not values:
+        raise RepertoryError(
+            f"{run}: metrics.jsonl logs no {metric!r}; a table holds the held-out {' or '.join(TABLE_METRICS)}, or "
+            "the mean over iterations of a metric the runs log (e.g. credit/quality_corr)"
+        )
+    return mean(values)
 
 
 def _curve(lines: list[dict[str, Any]], metric: str) -> dict[int, float]:
@@ -231,7 +243,9 @@ class ResultsTable:
     @property
     def title(self) -> str:
         """What the table holds, e.g. "held-out outcome, last checkpoint, mean ± SE over seeds"."""
-        what = f"{SPLIT_NAMES[self.split]} {TABLE_METRICS.get(self.metric, self.metric)}"
+        if self.metric not in TABLE_METRICS:
+            return f"{self.metric}, mean over each run's iterations, mean ± SE over seeds"
+        what = f"{SPLIT_NAMES[self.split]} {TABLE_METRICS[self.metric]}"
         return f"{what}, {self.checkpoint} checkpoint, mean ± SE over seeds"
 
     def text(self, method: str, env: str) -> str:
@@ -374,13 +388,17 @@ def results_table(
     :func:`run_scores`); a run without validation evaluations is refused. Without a ``metric``,
     :func:`default_metric` chooses. Runs evaluated on validation kernels (``eval.split``: a suite that chooses
     a setting) make a validation table, named so; one table never mixes splits. With ``effect``, the smallest
-    effect of interest, each contrast also says what it decides and the seeds that would decide the rest."""
+    effect of interest, each contrast also says what it decides and the seeds that would decide the rest. A
+    ``metric`` the runs log while they train (e.g. ``credit/quality_corr``) tables each run's mean over its
+    iterations, paired by seed the same way (:func:`run_scores`)."""
     if checkpoint not in ("best", "last"):
         raise RepertoryError(f"checkpoint must be best or last (got {checkpoint!r})")
     if effect is not None and not (math.isfinite(effect) and effect > 0):
         raise RepertoryError(f"the smallest effect of interest must be a positive number (got {effect})")
     metric, why = default_metric(runs) if metric is None else (metric, "")
-    _check_metric(metric)
+    if metric not in TABLE_METRICS and checkpoint == "best":
+        raise RepertoryError(f"--checkpoint best chooses among evaluated checkpoints, and {metric} is a training "
+                             "metric, averaged over each run's iterations: use --checkpoint last")  # fmt: skip
     scores = [run_scores(r, metric) for r in runs]
     splits = {s.split: s.run for s in scores}
     if len(splits) > 1:
@@ -419,8 +437,3 @@ def _base_rows(own_bases: dict[tuple[str, str], dict[int, float]]) -> dict[tuple
     for (env, seed), scores in sorted(gathered.items()):
         rows.setdefault((BASE, env), {})[seed] = mean(scores)
     return rows
-
-
-def _check_metric(metric: str) -> None:
-    if metric not in TABLE_METRICS:
-        raise RepertoryError(f"metric must be one of {', '.join(TABLE_METRICS)} (got {metric!r})")

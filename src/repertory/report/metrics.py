@@ -20,6 +20,9 @@ FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "throughput.png": ("Throughput (tokens/s)", ("throughput/",)),
 }
 
+SPLIT_NAMES = {"heldout": "held-out", "validation": "validation", "train": "train"}
+"""A kernel split (a run's ``eval.split``) as a table's title and the progress lines name its evaluations."""
+
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The metrics lines of a run (a torn last line from a kill is skipped)."""
