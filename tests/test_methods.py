@@ -29,6 +29,7 @@ from repertory.store.turns import LoggedTurn
 from repertory.train import check_names, resume_run, start_run
 from repertory.train.batch import single_turn_batch
 from repertory.train.methods import METHODS, OnlineMethod, RoundMethod, register_method
+from repertory.train.methods.selfplay import raw_spread
 from repertory.train.turns import conversation_of, conversations, first_return
 from repertory.types import Registry, RepertoryError
 
@@ -287,3 +288,11 @@ def test_an_old_checkpoint_resumes_with_its_ema_baselines(tokenizer, tmp_path):
 )
 def test_the_evaluation_line_up_defaults_to_the_rollout_opponent(recipe, overrides, line_up):
     assert load_config(recipe, overrides).evaluation_opponent == line_up
+
+
+def test_raw_spread_reports_the_advantages_whitening_hides():
+    # tokens 0, 0, 1, -1, 2: mean 0.4, squared deviations sum 5.2, unbiased variance 1.3; two of three turns move
+    spread = raw_spread([[0.0, 0.0], [1.0, -1.0], [2.0]])
+    assert spread == {"advantage/raw_sd": pytest.approx(1.3**0.5), "advantage/nonzero_share": pytest.approx(2 / 3)}
+    assert raw_spread([[0.0], [0.0, 0.0]]) == {"advantage/raw_sd": 0.0, "advantage/nonzero_share": 0.0}
+    assert raw_spread([]) == {"advantage/raw_sd": 0.0, "advantage/nonzero_share": 0.0}

@@ -165,6 +165,7 @@ def test_short_run_writes_a_valid_run_directory_and_resumes_exactly(tmp_path, to
     assert [line["iteration"] for line in lines] == [0, 1, 2]
     for key in ("outcome", "outcome/Alice", "outcome/Bob", "kl", "entropy", "loss/policy", "loss/value", "value/mse"):
         assert key in lines[1], key
+    assert lines[1]["advantage/raw_sd"] >= 0 and 0 <= lines[1]["advantage/nonzero_share"] <= 1
     assert "eval/outcome" in lines[0] and "final/outcome" in lines[2]
     # the final evaluation's games are kept, as pi_3's, and are the games its final/ line scores
     final = read_episodes(RunDir(run_dir).heldout(3))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from repertory import algos
+from repertory import algos, stats
 from repertory.algos import losses
 from repertory.config import AlgoConfig, SelfPlayConfig
 from repertory.train.batch import Batch
@@ -44,15 +44,18 @@ def assign_advantages(
     adv_lists = algos.whiten(estimate.advantages) if whiten else estimate.advantages
     advantages: dict[int, torch.Tensor] = {}
     returns: dict[int, torch.Tensor] | None = {} if estimate.returns is not None else None
+    raw_turns: list[list[float]] = []
     for t, ref in enumerate(batch.trajectories):
         for k, index in enumerate(ref.samples):
             if batch.samples[index].trained:
+                raw_turns.append(estimate.advantages[t][k])
                 advantages[index] = torch.tensor(adv_lists[t][k], dtype=torch.float32)
                 if returns is not None:
                     returns[index] = torch.tensor(estimate.returns[t][k], dtype=torch.float32)  # type: ignore[index]
     batch.assign(advantages, returns)
     metrics = {f"estimator/{k}": v for k, v in estimate.metrics.items()}
     metrics["advantage/mean"] = float(torch.cat(list(advantages.values())).mean()) if advantages else 0.0
+    metrics.update(raw_spread(raw_turns))
     if returns:
         errors = [
             float(((batch.experience[i].values - returns[i]) ** 2).mean())  # type: ignore[operator]
@@ -61,6 +64,16 @@ def assign_advantages(
         ]
         metrics["value/mse"] = sum(errors) / len(errors)
     return metrics
+
+
+def raw_spread(turns: list[list[float]]) -> dict[str, float]:
+    """The estimator's advantages before whitening, over the trained turns: their unbiased standard deviation over
+    tokens (``advantage/raw_sd``) and the share of turns with a non-zero token (``advantage/nonzero_share``).
+    Whitening hides both, yet they say whether a batch carried signal: a flat-credit group that tied is all zeros."""
+    if not turns:
+        return {"advantage/raw_sd": 0.0, "advantage/nonzero_share": 0.0}
+    nonzero = sum(any(abs(a) > 1e-8 for a in turn) for turn in turns) / len(turns)
+    return {"advantage/raw_sd": stats.std([a for turn in turns for a in turn]), "advantage/nonzero_share": nonzero}
 
 
 @register_method(SelfPlayConfig)
