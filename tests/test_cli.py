@@ -268,7 +268,10 @@ def test_progress_lines_name_the_kernel_split_the_evaluation_played(capsys, spli
     on_line, progress = _train_progress(SimpleNamespace(config=config, iteration=0), quiet=False)
     with progress:
         on_line({"iteration": 0, "eval/outcome": 0.5, "kl": 0.01})
-    assert f"iteration 0 | {name} 0.500 | KL 0.0100" in capsys.readouterr().out
+        on_line({"iteration": 1, "q/val_spearman": 0.64, "q/val_examples": 16.0, "final/discounted_return": 0.6123})
+    printed = capsys.readouterr().out
+    assert f"iteration 0 | {name} outcome 0.500 | KL 0.0100" in printed
+    assert f"iteration 1 | after: {name} J 0.612 | Q rank corr. 0.64 over 16 turns | KL 0.0000" in printed
 
 
 def test_the_train_banner_names_the_recipe_the_method_and_the_game():

@@ -44,16 +44,27 @@ def _train_progress(trainer, quiet: bool):
             parts.append(f"logged conversations {int(line['logs/conversations'])}, {skipped} skipped (no outcome)")
         if "outcome" in line:  # a round that learns from a user's logs plays no game
             parts.append(f"outcome {line['outcome']:.3f}")
-        if "eval/outcome" in line:
-            parts.append(f"{split} {line['eval/outcome']:.3f}")
-        if "q/val_spearman" in line:
-            parts.append(f"Q rank corr. {line['q/val_spearman']:.2f}")
+        parts += _scores(line, split)
         parts.append(f"KL {line.get('kl', 0.0):.4f}")
         progress.update(task, advance=1, status=" | ".join(parts))
         if not quiet:
             progress.console.print("  " + " | ".join(parts), style="dim")
 
     return on_line, progress
+
+
+def _scores(line: dict, split: str) -> list[str]:
+    """A metrics line's scores as the progress lines show them: the evaluation before the iteration's update and
+    the one after the last (on the run's kernel ``split``), and how well the Q-function ranked its validation
+    turns, with how many there were (a rank correlation over four turns is mostly chance)."""
+    parts = []
+    for when, prefix in (("", "eval/"), ("after: ", "final/")):
+        for key, label in (("outcome", "outcome"), ("discounted_return", "J")):
+            if prefix + key in line:
+                parts.append(f"{when}{split} {label} {line[prefix + key]:.3f}")
+    if "q/val_spearman" in line:
+        parts.append(f"Q rank corr. {line['q/val_spearman']:.2f} over {int(line.get('q/val_examples', 0))} turns")
+    return parts
 
 
 def _banner(trainer) -> str:
@@ -167,11 +178,7 @@ def _train_suite(suite, quiet: bool) -> None:
     def on_line(line) -> None:
         if quiet:
             return
-        parts = [f"{current['name']} iteration {line['iteration']}"]
-        labels = (("eval/outcome", f"{current['split']} outcome"), ("eval/discounted_return", f"{current['split']} J"))
-        for key, label in (*labels, ("q/val_spearman", "Q rank corr.")):
-            if key in line:
-                parts.append(f"{label} {line[key]:.3f}")
+        parts = [f"{current['name']} iteration {line['iteration']}", *_scores(line, current["split"])]
         out.print("  " + " | ".join(parts), style="dim")
 
     def warn(warning: str) -> None:
