@@ -244,13 +244,23 @@ def test_a_training_metric_is_tabled_as_each_runs_mean_over_its_iterations(tmp_p
     paired = table.contrasts[("omar", "grpo", "craigslist")]
     assert (paired.mean, paired.se, paired.seeds) == (pytest.approx(0.175), pytest.approx(0.025), 2)
     assert table.title == "credit/quality_corr, mean over each run's iterations, mean ± SE over seeds"
-    assert table.markdown().startswith("| method (train kernels) | craigslist |")
+    markdown = table.markdown()
+    assert markdown.startswith("| method (credit/quality_corr, mean over iterations) | craigslist |")
+    # what each mean is over, where the metric was not defined in every iteration
+    assert markdown.endswith("iterations with a finite value, where fewer than all: omar-0 2 of 3\n")
+    assert table.csv().splitlines()[1] == "grpo,craigslist,0.075000,0.025000,2,iterations,credit/quality_corr,train"
     main(["report", "--table", *map(str, runs), "--metric", "credit/quality_corr"])
-    assert "omar − grpo" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "omar − grpo" in printed and "omar-0 2 of 3" in printed
     with pytest.raises(RepertoryError, match="--checkpoint best chooses among evaluated checkpoints"):
         results_table(runs, "best", metric="credit/quality_corr")
     with pytest.raises(RepertoryError, match="logs no 'kl'"):
         results_table(runs, metric="kl")
+    with pytest.raises(RepertoryError, match="eval/outcome is an evaluation's score: --metric discounted_return or"):
+        results_table(runs, metric="eval/outcome")
+    (runs[2] / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "credit/quality_corr": math.nan}) + "\n")
+    with pytest.raises(RepertoryError, match="grpo-0: metrics.jsonl logs no finite value of 'credit/quality_corr'"):
+        results_table(runs, metric="credit/quality_corr")
 
 
 def test_report_redraws_a_runs_figures(runs, capsys):

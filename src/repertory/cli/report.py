@@ -44,7 +44,8 @@ def report(
     """Redraw a run's learning curves and its page RUN/report/index.html (the held-out outcome and the game's key
     behaviour before and after, curves, config, evaluations and an episode browser with the final held-out games;
     self-contained, opens from file://), or (--table) the held-out expected discounted return (or outcome) of
-    methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7)."""
+    methods x environments, mean ± standard error over seeds (docs/algorithms.md 5.7), or of a metric the runs log
+    while they train, each run's mean over its iterations."""
     from repertory.report import results_table, write_report
     from repertory.runs import RunDir
 
@@ -73,6 +74,8 @@ def report(
         for row in result.contrast_rows():
             paired.add_row(*row)
         out.print(paired)
+    if result.partial:
+        out.print(result.partial, markup=False)
     if result.why:
         out.print(f"{result.why} (--metric discounted_return shows J)", markup=False)
     if out_dir is not None:

@@ -63,7 +63,8 @@ def _scores(line: dict, split: str) -> list[str]:
             if prefix + key in line:
                 parts.append(f"{when}{split} {label} {line[prefix + key]:.3f}")
     if "q/val_spearman" in line:
-        parts.append(f"Q rank corr. {line['q/val_spearman']:.2f} over {int(line.get('q/val_examples', 0))} turns")
+        over = f" over {int(line['q/val_examples'])} turns" if "q/val_examples" in line else ""
+        parts.append(f"Q rank corr. {line['q/val_spearman']:.2f}{over}")
     return parts
 
 

@@ -130,6 +130,9 @@ TABLE_METRICS = {"discounted_return": "expected discounted return", "outcome": "
 """The scores a results table can hold: J at the method's gamma (5.7), or the mean normalised outcome."""
 
 
+ITERATIONS = "iterations"
+"""The checkpoint column of a training metric's table: each run's mean over its iterations, not one policy's."""
+
 NO_VALIDATION = (
     "--checkpoint best selects on validation evaluations (eval/validation/*), and this run lacks them beside its "
     "trained held-out ones (trained before validation kernels existed, or with eval.validation false); selecting on "
@@ -153,6 +156,8 @@ class RunScores:
     last: float
     best_iteration: int | None = None
     split: str = "heldout"
+    iterations: tuple[int, int] | None = None
+    """A training metric's score (the mean over iterations): how many iterations logged a finite value, of all."""
 
     def score(self, checkpoint: str) -> float:
         """The held-out score of the "best" or the "last" checkpoint; RepertoryError where best cannot be chosen."""
@@ -174,8 +179,11 @@ def run_scores(run_dir: str | os.PathLike[str], metric: str = "discounted_return
     lines = read_metrics(run)
     method, env = config.method_name, config.rollout.env
     if metric not in TABLE_METRICS:
-        trained_mean = _iteration_mean(run, lines, metric)
-        return RunScores(run.root, method, env, config.seed, None, None, trained_mean, split="train")
+        values = _iteration_values(run, lines, metric)
+        iterations = (len(values), len(lines))
+        return RunScores(
+            run.root, method, env, config.seed, None, None, mean(values), split="train", iterations=iterations
+        )
     held_out, validation = _curve(lines, metric), _curve(lines, f"validation/{metric}")
     trained = {k: v for k, v in held_out.items() if k >= 1}
     if not trained:
@@ -199,14 +207,21 @@ def _best_iteration(trained: list[int], validation: dict[int, float]) -> int | N
     return max(trained, key=lambda k: (validation[k], -k))
 
 
-def _iteration_mean(run: RunDir, lines: list[dict[str, Any]], metric: str) -> float:
+def _iteration_values(run: RunDir, lines: list[dict[str, Any]], metric: str) -> list[float]:
+    """The finite values of a training metric, one per iteration that logs one."""
+    if metric.startswith(("eval/", "final/")):
+        raise RepertoryError(
+            f"{metric} is an evaluation's score: --metric {' or '.join(TABLE_METRICS)} tables the evaluations, "
+            "of each run's last (or best) checkpoint"
+        )
     values = [float(line[metric]) for line in lines if finite_number(line.get(metric))]
     if not values:
+        logged = "logs no finite value of" if any(metric in line for line in lines) else "logs no"
         raise RepertoryError(
-            f"{run}: metrics.jsonl logs no {metric!r}; a table holds the held-out {' or '.join(TABLE_METRICS)}, or "
-            "the mean over iterations of a metric the runs log (e.g. credit/quality_corr)"
+            f"{run}: metrics.jsonl {logged} {metric!r}; a table holds the held-out {' or '.join(TABLE_METRICS)}, "
+            "or the mean over iterations of a metric every run logs (e.g. credit/quality_corr)"
         )
-    return mean(values)
+    return values
 
 
 def _curve(lines: list[dict[str, Any]], metric: str) -> dict[int, float]:
@@ -239,11 +254,13 @@ class ResultsTable:
     effect: float | None = None
     """The smallest effect of interest: where given, each contrast says what it decides at ±effect and how many
     seeds would decide what it leaves open (:func:`repertory.stats.decide`)."""
+    partial: str = ""
+    """A training metric's table: the runs whose mean leaves out iterations without a finite value; else empty."""
 
     @property
     def title(self) -> str:
         """What the table holds, e.g. "held-out outcome, last checkpoint, mean ± SE over seeds"."""
-        if self.metric not in TABLE_METRICS:
+        if self.checkpoint == ITERATIONS:
             return f"{self.metric}, mean over each run's iterations, mean ± SE over seeds"
         what = f"{SPLIT_NAMES[self.split]} {TABLE_METRICS[self.metric]}"
         return f"{what}, {self.checkpoint} checkpoint, mean ± SE over seeds"
@@ -275,7 +292,10 @@ class ResultsTable:
         return rows
 
     def markdown(self) -> str:
-        rows = "method" if self.split == "heldout" else f"method ({SPLIT_NAMES[self.split]} kernels)"
+        if self.checkpoint == ITERATIONS:
+            rows = f"method ({self.metric}, mean over iterations)"
+        else:
+            rows = "method" if self.split == "heldout" else f"method ({SPLIT_NAMES[self.split]} kernels)"
         lines = [f"| {rows} | " + " | ".join(self.envs) + " |", "|---|" + "---|" * len(self.envs)]
         lines += [f"| {m} | " + " | ".join(self.text(m, e) for e in self.envs) + " |" for m in self.methods]
         if self.contrasts:
@@ -283,6 +303,8 @@ class ResultsTable:
             columns += self.decision_columns
             lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join(row) + " |" for row in self.contrast_rows()]
+        if self.partial:
+            lines += ["", self.partial]
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
@@ -422,7 +444,19 @@ def results_table(
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != BASE, m))
     contrasts = paired_contrasts(per_seed, methods, own_bases)
     split = next(iter(splits), "heldout")
-    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect)
+    if metric in TABLE_METRICS:
+        return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect)
+    return ResultsTable(envs, methods, cells, ITERATIONS, metric, why, contrasts, split, effect, _partial(scores))
+
+
+def _partial(scores: list[RunScores]) -> str:
+    """Which runs' means of a training metric leave out iterations (it is not defined in every one: a rank
+    correlation over a batch without spread), so that a reader sees what each mean is over."""
+    counts = [(s.run.name, *s.iterations) for s in scores if s.iterations is not None]
+    short = [f"{name} {used} of {total}" for name, used, total in counts if used < total]
+    if not short:
+        return ""
+    return f"iterations with a finite value, where fewer than all: {', '.join(short)}"
 
 
 def _base_rows(own_bases: dict[tuple[str, str], dict[int, float]]) -> dict[tuple[str, str], dict[int, float]]:

@@ -49,7 +49,7 @@ def check_names(config: TrainConfig) -> None:
             raise RepertoryError(f"eval.validation: {exc}; or set eval.validation: false") from None
     line_ups = [("rollout.opponent", config.rollout.opponent)]
     if config.eval.episodes:  # a recipe's evaluation line-up may not exist in another game: named only when used
-        line_ups.append(("the held-out evaluation's line-up (eval.opponent)", config.evaluation_opponent))
+        line_ups.append(("the evaluations' line-up (eval.opponent)", config.evaluation_opponent))
     for key, spec in line_ups:
         if spec in ("self", "pool"):
             continue

@@ -95,7 +95,7 @@ class LineUp:
         try:
             return self.agent(spec)
         except RepertoryError as exc:
-            raise RepertoryError(f"the held-out evaluation's line-up (eval.opponent) {spec!r}: {exc}") from None
+            raise RepertoryError(f"the evaluations' line-up (eval.opponent) {spec!r}: {exc}") from None
 
     def spec_of(self, agent: Agent) -> str:
         """The spec a rollout worker resolves to this line-up agent."""

@@ -68,11 +68,12 @@ def assign_advantages(
 
 def raw_spread(turns: list[list[float]]) -> dict[str, float]:
     """The estimator's advantages before whitening, over the trained turns: their unbiased standard deviation over
-    tokens (``advantage/raw_sd``) and the share of turns with a non-zero token (``advantage/nonzero_share``).
-    Whitening hides both, yet they say whether a batch carried signal: a flat-credit group that tied is all zeros."""
+    tokens (``advantage/raw_sd``) and the share of turns with a non-zero token (``advantage/nonzero_share``); none
+    without trained turns. Whitening hides both, yet they say whether a batch carried signal: a flat-credit group
+    that tied is all zeros."""
     if not turns:
-        return {"advantage/raw_sd": 0.0, "advantage/nonzero_share": 0.0}
-    nonzero = sum(any(abs(a) > 1e-8 for a in turn) for turn in turns) / len(turns)
+        return {}
+    nonzero = sum(any(not abs(a) <= 1e-8 for a in turn) for turn in turns) / len(turns)
     return {"advantage/raw_sd": stats.std([a for turn in turns for a in turn]), "advantage/nonzero_share": nonzero}
 
 
