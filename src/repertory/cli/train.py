@@ -145,14 +145,13 @@ def train(
     out.print(f"run: {run_dir}")
     run = RunDir(run_dir)
     lines = read_metrics(run)
-    change = held_out_change(lines)
+    change, split = held_out_change(lines), SPLIT_NAMES[trainer.config.eval.split]
     if change is not None:
-        split = SPLIT_NAMES[trainer.config.eval.split]
         out.print(f"{split} outcome against {trainer.config.evaluation_opponent}: {change.describe()}")
     key = env_class(trainer.config.rollout.env).key_metric
     behaviour = behaviour_change(lines, key) if key is not None else None
     if behaviour is not None:
-        out.print(f"{SPLIT_NAMES[trainer.config.eval.split]} {behaviour.describe()}")
+        out.print(f"{split} {behaviour.describe()}")
     out.print(f"metrics: {run.metrics}; learning curves: {run.report}/*.png")
     out.print(f"evaluate it: repertory eval {run_dir}")
     out.print(f"report (open it in a browser): {run.page.resolve()}")

@@ -444,14 +444,14 @@ def results_table(
     methods = sorted({m for m, _ in cells}, key=lambda m: (m != BASE, m))
     contrasts = paired_contrasts(per_seed, methods, own_bases)
     split = next(iter(splits), "heldout")
-    if metric in TABLE_METRICS:
-        return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect)
-    return ResultsTable(envs, methods, cells, ITERATIONS, metric, why, contrasts, split, effect, _partial(scores))
+    checkpoint = checkpoint if metric in TABLE_METRICS else ITERATIONS
+    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect, _partial(scores))
 
 
 def _partial(scores: list[RunScores]) -> str:
     """Which runs' means of a training metric leave out iterations (it is not defined in every one: a rank
-    correlation over a batch without spread), so that a reader sees what each mean is over."""
+    correlation over a batch without spread), so that a reader sees what each mean is over; empty for scores of
+    evaluations."""
     counts = [(s.run.name, *s.iterations) for s in scores if s.iterations is not None]
     short = [f"{name} {used} of {total}" for name, used, total in counts if used < total]
     if not short:
