@@ -24,6 +24,7 @@ from repertory.envs.base import Env
 from repertory.envs.replay import replay
 from repertory.experiments import load_suite, run_suite, suite_runs
 from repertory.models import load_tokenizer, tiny_model
+from repertory.models.packing import prefix_chains
 from repertory.stats import rank_correlation
 from repertory.store import EpisodeStore, read_episodes, write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
@@ -31,6 +32,7 @@ from repertory.train import TIMING_PREFIXES, resume_run, start_run
 from repertory.train.batch import collect
 from repertory.train.heads import QExample, QFunction, fit_q
 from repertory.train.methods.archer import Transition, transitions
+from repertory.train.methods.base import Laps
 from repertory.train.rounds import RoundsTrainer
 from repertory.train.turns import conversations, first_return, kernel_split, logged_turns, read_logs, read_turns
 from repertory.train.warm import WarmPlan
@@ -387,6 +389,30 @@ def test_q_state_from_before_standardisation_reads_raw_features(tokenizer):
     )
 
 
+def test_prefix_chains_group_each_sequence_with_the_one_that_extends_it():
+    sequences = [[1, 2, 3, 4, 5], [1, 2], [7], [1, 2, 3], [1, 9], [7]]
+    assert prefix_chains(sequences) == [([1, 2, 3, 4, 5], [1, 3, 0]), ([1, 9], [4]), ([7], [2, 5])]
+
+
+@pytest.mark.parametrize("features", ["last_token", "response_mean"])
+def test_q_reads_a_conversations_turns_in_one_pass_as_if_each_were_alone(tokenizer, features):
+    q = _q(tokenizer, features=features)
+    fit_q(q, _examples(8), [], QConfig(max_epochs=1, lr=1e-2, head_lr=1e-2), 0, 0, False, 2048)
+    first = [1, 2, 3, 500, 2]
+    second = first + [4, 5, 6, 600]
+    third = second + [7, 8]
+    # a conversation's three turns (the last with an empty response), out of order, and another conversation
+    sequences, starts = [second, [1, 9, 9, 500], third, first], [len(first) + 3, 3, len(third), 3]
+    with torch.no_grad():
+        alone = torch.cat([q.chains([s], [start]) for s, start in zip(sequences, starts)])
+        for budget in (2048, 1):  # both chains in one padded batch, and one chain per forward pass
+            passes = list(q.micro_batches(sequences, starts, budget))
+            assert [len(members) for members, _ in passes] == ([4] if budget > 1 else [3, 1])
+            rows = {i: row for members, features in passes for i, row in zip(members, features)}
+            assert torch.allclose(torch.stack([rows[i] for i in range(4)]), alone, atol=1e-5)
+    assert len(set(_scores(q, [QExample(s, 0.5, start) for s, start in zip(sequences, starts)]))) == 4
+
+
 @pytest.mark.parametrize("features", ["last_token", "response_mean"])
 def test_q_scores_candidates_of_a_shared_prompt_as_separate_sequences(tokenizer, features):
     q = _q(tokenizer, features=features)
@@ -476,6 +502,8 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
         assert len(batch.sequences) == len({tuple(s.prompt_ids) for s in samples})
     assert states == len(turns)
     assert metrics["igrpo/candidate_q_std"] == pytest.approx(sum(spreads) / len(spreads))
+    parts = {"time/q_fit_s", "time/candidates_s", "time/q_score_s", "time/update_s"}
+    assert parts <= metrics.keys() and all(metrics[k] >= 0 for k in parts)
     assert len({tuple(s.prompt_ids) for b, _ in captured for s in b.samples}) == len(
         {tuple(t.prompt_ids) for t in turns}
     )
@@ -492,6 +520,16 @@ def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_
             scores = [q_of[tuple(s.prompt_ids + s.response_ids)] for s in batch.samples[j : j + n]]
             centred = [x - statistics.mean(scores) for x in scores]
             assert [float(adv[j + c][0]) for c in range(n)] == pytest.approx(centred, abs=1e-6)
+
+
+def test_laps_sum_each_part_over_its_entries(monkeypatch):
+    clock = iter([1.0, 1.5, 2.0, 4.0, 10.0, 10.25])
+    monkeypatch.setattr("repertory.train.methods.base.time.perf_counter", lambda: next(clock))
+    laps = Laps()
+    for name in ("sample", "update", "sample"):
+        with laps(name):
+            pass
+    assert laps.metrics() == {"time/sample_s": 0.75, "time/update_s": 2.0}
 
 
 def test_igrpo_format_gate_zeroes_candidates_the_referee_rejects(tmp_path, tokenizer, monkeypatch):

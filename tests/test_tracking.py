@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import Counter
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -68,6 +69,10 @@ def test_tensorboard_and_wandb_receive_every_metric_the_config_and_the_report(tm
     assert (run_dir / "wandb-run-id").read_text().strip() in offline.name
     [log] = list(offline.glob("run-*.wandb"))
     records = _wandb_records(log)
+    kinds = Counter(r.WhichOneof("record_type") for r in records)
+    # W&B writes the log from its own service process; a failure here names what the log held, to tell a
+    # record W&B lost (its offline logs have been seen to lose some) from one this parser missed
+    assert kinds["run"] == 1, f"{log.stat().st_size} bytes, records {dict(kinds)}"
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     saved = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert saved["tracking"] == ["jsonl", "tensorboard", "wandb"] and saved["rollout"]["env"] == "ipd"

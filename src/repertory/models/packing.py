@@ -1,5 +1,6 @@
-"""Sequences as a model reads them: turns packed into chains, a prompt shared by its responses as a tree, the
-padded inputs of a batch of either, and micro-batches bounded in padded tokens."""
+"""Sequences as a model reads them: turns packed into chains (a conversation's turns, or any sequences that
+extend one another), a prompt shared by its responses as a tree, the padded inputs of a batch of either, and
+micro-batches bounded in padded tokens."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def shared_prompt(prompt: list[int], responses: list[tuple[int, list[int]]]) -> 
         parents += [len(prompt) - 1, *range(len(ids), len(ids) + len(response) - 1)][: len(response)]
         ids += response
     return PackedSequence(ids, spans, parents)
+
+
+def prefix_chains(sequences: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """The sequences in groups whose members are all prefixes of the group's longest (a conversation's turns: each
+    [history; response] is extended by the next turn's prompt), as (the longest, member indices). Under causal
+    attention one pass over the longest gives every member's hidden states at their own positions."""
+    chains: list[tuple[list[int], list[int]]] = []
+    # in lexicographic order a prefix comes first, and whatever sorts between it and its extension shares it
+    for i in sorted(range(len(sequences)), key=lambda i: sequences[i]):
+        if chains and sequences[i][: len(chains[-1][0])] == chains[-1][0]:
+            chains[-1] = (sequences[i], chains[-1][1] + [i])
+        else:
+            chains.append((sequences[i], [i]))
+    return chains
 
 
 def model_inputs(

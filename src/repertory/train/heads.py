@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 from repertory.algos import offline
 from repertory.config import AdapterConfig, QConfig
 from repertory.models.linear import use_fast_linears
-from repertory.models.packing import PackedSequence, model_inputs, shared_prompt, token_batches
+from repertory.models.packing import PackedSequence, model_inputs, prefix_chains, shared_prompt, token_batches
 from repertory.stats import pearson, rank_correlation
 from repertory.store.turns import LoggedTurn
 from repertory.types import RepertoryError, derive
@@ -139,13 +139,21 @@ class QFunction(nn.Module):
         return torch.stack([part.mean(dim=0) for part in hidden.split([b - a for row in spans for a, b in row])])
 
     def chains(self, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Features of plain [history; response] sequences."""
+        """Features of plain [history; response] sequences, each read on its own."""
         packed = [PackedSequence(list(s), []) for s in sequences]
         return self.pooled(packed, [[self.span(start, len(s))] for s, start in zip(sequences, starts)])
 
-    def logits(self, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """z per sequence."""
-        return self.z(self.chains(sequences, starts))
+    def micro_batches(
+        self, sequences: list[list[int]], starts: list[int], micro_tokens: int
+    ) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """(indices, their features) per micro-batch of at most ``micro_tokens`` padded tokens, every sequence that
+        another one extends read inside that one's pass (:func:`prefix_chains`): a conversation's turns cost one
+        pass, not one each. Each sequence's features equal :meth:`chains` of it alone."""
+        groups = prefix_chains(sequences)
+        for micro in token_batches([len(chain) for chain, _ in groups], micro_tokens):
+            members = [i for g in micro for i in groups[g][1]]
+            spans = [[self.span(starts[i], len(sequences[i])) for i in groups[g][1]] for g in micro]
+            yield members, self.pooled([PackedSequence(list(groups[g][0]), []) for g in micro], spans)
 
     def z(self, features: torch.Tensor) -> torch.Tensor:
         """The head on standardised features."""
@@ -154,8 +162,7 @@ class QFunction(nn.Module):
     @torch.no_grad()
     def standardise(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> None:
         """Set ``shift`` and ``scale`` to :func:`standard_scale` of these sequences' features."""
-        batches = token_batches([len(s) for s in sequences], micro_tokens)
-        rows = [self.chains([sequences[i] for i in micro], [starts[i] for i in micro]) for micro in batches]
+        rows = [features for _, features in self.micro_batches(sequences, starts, micro_tokens)]
         shift, scale = standard_scale(torch.cat(rows))
         self.shift.copy_(shift)
         self.scale.copy_(scale)
@@ -164,9 +171,8 @@ class QFunction(nn.Module):
     def score(self, sequences: list[list[int]], starts: list[int], micro_tokens: int) -> list[float]:
         """q per sequence."""
         out: list[float] = [0.0] * len(sequences)
-        for micro in token_batches([len(s) for s in sequences], micro_tokens):
-            z = self.logits([sequences[i] for i in micro], [starts[i] for i in micro])
-            for i, value in zip(micro, offline.q_values(z, self.bce).tolist()):
+        for members, features in self.micro_batches(sequences, starts, micro_tokens):
+            for i, value in zip(members, offline.q_values(self.z(features), self.bce).tolist()):
                 out[i] = value
         return out
 
@@ -242,14 +248,15 @@ def fit_q(
 
     def loss_on(examples: list[QExample], train_step: bool) -> float:
         total = 0.0
-        for micro in token_batches([len(e.sequence) for e in examples], micro_tokens):
-            with torch.set_grad_enabled(train_step):
-                z = q.logits([examples[i].sequence for i in micro], [examples[i].start for i in micro])
+        sequences, starts = [e.sequence for e in examples], [e.start for e in examples]
+        with torch.set_grad_enabled(train_step):
+            for micro, features in q.micro_batches(sequences, starts, micro_tokens):
+                z = q.z(features)
                 targets = torch.tensor([examples[i].target for i in micro], dtype=z.dtype, device=z.device)
                 loss = offline.q_loss(z, targets, q.bce) * (len(micro) / len(examples))
-            if train_step:
-                loss.backward()
-            total += float(loss.detach())
+                if train_step:
+                    loss.backward()
+                total += float(loss.detach())
         return total
 
     selection = val or train

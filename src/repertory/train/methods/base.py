@@ -9,7 +9,9 @@ directory and the seed. A checkpoint is the learner's state plus each method's :
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
@@ -213,3 +215,22 @@ def chunks(items: list[int], size: int) -> Iterator[list[int]]:
     """Consecutive slices of ``items`` of at most ``size`` (the optimiser batches of the round methods)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+class Laps:
+    """Seconds a round spends in each named part (``time/{name}_s``), summed over the times it is entered: where a
+    round method's time goes, beside the trainer's ``time/train_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{name}_s": seconds for name, seconds in self.seconds.items()}

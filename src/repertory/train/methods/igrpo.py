@@ -12,19 +12,51 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from repertory.algos import offline
 from repertory.config import IGRPOConfig
 from repertory.models import LoadedModel, load_model
 from repertory.store.turns import LoggedTurn
-from repertory.train.batch import single_turn_batch
+from repertory.train.batch import Batch, single_turn_batch
 from repertory.train.heads import QFunction, fit_q, q_examples
-from repertory.train.methods.base import RoundContext, RoundMethod, chunks, register_method
+from repertory.train.methods.base import Laps, RoundContext, RoundMethod, chunks, register_method
 from repertory.train.turns import kernel_split
 from repertory.types import Episode, RepertoryError, derive
 
 Q_FILE = "q.safetensors"
+
+
+class _Tally:
+    """A round's running sums: the update's statistics per step, and the candidates' Q values, per-state spread
+    and gate."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = self.gated = 0
+        self.rewards: list[float] = []
+        self.spreads: list[float] = []
+
+    def add_candidates(self, groups: list[list[float]], valid: list[bool]) -> None:
+        self.rewards += [r for group in groups for r in group]
+        self.spreads += [statistics.stdev(group) if len(group) > 1 else 0.0 for group in groups]
+        self.gated += valid.count(False)
+
+    def add_step(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.steps += 1
+
+    def metrics(self, states: int) -> dict[str, float]:
+        metrics = {key: value / self.steps for key, value in self.sums.items()} if self.steps else {}
+        metrics["igrpo/steps"] = float(self.steps)
+        metrics["igrpo/states"] = float(states)
+        metrics["igrpo/candidate_q"] = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+        # Advantages divide by this spread: near 0, they amplify the Q-function's noise to unit scale.
+        metrics["igrpo/candidate_q_std"] = sum(self.spreads) / len(self.spreads) if self.spreads else 0.0
+        metrics["igrpo/gated_rate"] = self.gated / len(self.rewards) if self.rewards else 0.0
+        return metrics
 
 
 @register_method(IGRPOConfig)
@@ -50,57 +82,58 @@ class IGRPO(RoundMethod):
     def improve(
         self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn], episodes: dict[str, Episode]
     ) -> dict[str, float]:
-        metrics = self.train_q(ctx, round_index, turns)
-        config, n = self.config, self.config.candidates
-        sums: dict[str, float] = {}
-        steps = gated = candidates = 0
-        rewards_all: list[float] = []
-        spreads: list[float] = []
-        for epoch in range(config.epochs):
+        laps = Laps()
+        with laps("q_fit"):
+            metrics = self.train_q(ctx, round_index, turns)
+        tally = _Tally()
+        for epoch in range(self.config.epochs):
             order = list(range(len(turns)))
             random.Random(derive(self.seed, round_index, epoch, "igrpo")).shuffle(order)
-            for chunk in chunks(order, config.states_per_step):
-                states = [turns[i] for i in chunk]
-                generations, replayed, state_grammars = ctx.sample(
-                    states, episodes, n, (round_index, epoch, "candidate")
-                )
-                rewards = self.q.score_groups(
-                    [list(x.prompt_ids) for x in states],
-                    [[g.response_ids for g in generations[j * n : (j + 1) * n]] for j in range(len(states))],
-                    ctx.algo.micro_batch_tokens,
-                )
-                valid = self.gate(ctx, [g.response_ids for g in generations], replayed)
-                gated += valid.count(False)
-                candidates += len(generations)
-                rewards_all += rewards
-                groups = [rewards[j * n : (j + 1) * n] for j in range(len(states))]
-                spreads += [statistics.stdev(group) if n > 1 else 0.0 for group in groups]
-                advantages = [
-                    a
-                    for j, group in enumerate(groups)
-                    for a in offline.candidate_advantages(group, valid[j * n : (j + 1) * n], config.scale_advantages)
-                ]
-                prompts = [x.prompt_ids for x in states for _ in range(n)]
-                grammars = [grammar for grammar in state_grammars for _ in range(n)]
-                batch, adv = single_turn_batch(prompts, [g.response_ids for g in generations], advantages, grammars)
+            for chunk in chunks(order, self.config.states_per_step):
+                key = (round_index, epoch, "candidate")
+                batch, adv = self.scored_candidates(ctx, [turns[i] for i in chunk], episodes, key, laps, tally)
                 if not batch.sequences:
                     continue
-                ctx.backend.offload()
-                ctx.learner.score(batch)
-                batch.assign(adv)
-                stats = ctx.learner.update(batch, f"igrpo/{round_index}/{epoch}/{steps}", 1, 1)
-                ctx.publish()  # the next step samples its candidates from the updated policy
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                steps += 1
-        metrics.update({key: value / steps for key, value in sums.items()} if steps else {})
-        metrics["igrpo/steps"] = float(steps)
-        metrics["igrpo/states"] = float(len(turns) * config.epochs)
-        metrics["igrpo/candidate_q"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
-        # Advantages divide by this spread: near 0, they amplify the Q-function's noise to unit scale.
-        metrics["igrpo/candidate_q_std"] = sum(spreads) / len(spreads) if spreads else 0.0
-        metrics["igrpo/gated_rate"] = gated / candidates if candidates else 0.0
-        return metrics
+                with laps("update"):
+                    ctx.backend.offload()
+                    ctx.learner.score(batch)
+                    batch.assign(adv)
+                    stats = ctx.learner.update(batch, f"igrpo/{round_index}/{epoch}/{tally.steps}", 1, 1)
+                    ctx.publish()  # the next step samples its candidates from the updated policy
+                tally.add_step(stats)
+        return {**metrics, **tally.metrics(len(turns) * self.config.epochs), **laps.metrics()}
+
+    def scored_candidates(
+        self,
+        ctx: RoundContext,
+        states: list[LoggedTurn],
+        episodes: dict[str, Episode],
+        key: tuple,
+        laps: Laps,
+        tally: _Tally,
+    ) -> tuple[Batch, dict[int, torch.Tensor]]:
+        """The batch of one optimiser step: ``candidates`` fresh responses per state, scored by Q, their
+        advantages centred (and scaled) within each state's group, gated ones at the group's lowest."""
+        n = self.config.candidates
+        with laps("candidates"):
+            generations, replayed, state_grammars = ctx.sample(states, episodes, n, key)
+        with laps("q_score"):
+            rewards = self.q.score_groups(
+                [list(x.prompt_ids) for x in states],
+                [[g.response_ids for g in generations[j * n : (j + 1) * n]] for j in range(len(states))],
+                ctx.algo.micro_batch_tokens,
+            )
+        valid = self.gate(ctx, [g.response_ids for g in generations], replayed)
+        groups = [rewards[j * n : (j + 1) * n] for j in range(len(states))]
+        tally.add_candidates(groups, valid)
+        advantages = [
+            a
+            for j, group in enumerate(groups)
+            for a in offline.candidate_advantages(group, valid[j * n : (j + 1) * n], self.config.scale_advantages)
+        ]
+        prompts = [x.prompt_ids for x in states for _ in range(n)]
+        grammars = [grammar for grammar in state_grammars for _ in range(n)]
+        return single_turn_batch(prompts, [g.response_ids for g in generations], advantages, grammars)
 
     def train_q(self, ctx: RoundContext, round_index: int, turns: list[LoggedTurn]) -> dict[str, float]:
         """Fit Q on the round's turns (or every round's, ``q.data``), warm from the last round after round 0."""
