@@ -16,7 +16,7 @@ from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import PackedSequence, model_inputs, shared_prompt
 from repertory.rollout import run_episodes, schedule
 from repertory.train.batch import Batch, Experience, Sample, collect
-from repertory.train.learner import Learner, micro_batches
+from repertory.train.learner import Learner, _pair_sequences, micro_batches
 from repertory.train.learner_state import load_learner, save_learner
 from repertory.types import Action, Episode, Kernel, Result, RoleResult, Seat, Turn
 
@@ -201,6 +201,26 @@ def test_packing_gives_the_same_log_probs_values_and_update(tokenizer, episodes)
     assert s1["loss/policy"] == pytest.approx(s2["loss/policy"], abs=1e-6)
     assert s1["loss/value"] == pytest.approx(s2["loss/value"], abs=1e-6)
     assert torch.allclose(w1, w2, atol=1e-5)
+
+
+def test_pairs_that_extend_one_another_share_a_sequence_and_give_the_same_log_probs_and_gradient(tokenizer, episodes):
+    # the logged turns of the round methods (MT-SFT, MT-KTO, ArCHer), shuffled as their batches are
+    turns = [t for ep in episodes for seat in ep.seats for t in ep.trajectory(seat.seat_id) if t.response_ids]
+    pairs = [(list(t.prompt_ids), list(t.response_ids)) for t in turns]
+    pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()]
+    assert len(_pair_sequences(pairs, None, False)[1]) == len(pairs)
+    assert len(_pair_sequences(pairs, None, True)[1]) < len(pairs) / 2
+    weight = {i: 0.1 * (i % 5 - 2) for i in range(len(pairs))}
+    results = {}
+    for packing in (True, False):
+        learner = _learner(tokenizer, critic=False, packing=packing)
+        logps = learner.token_logps(pairs)
+        learner.backward_on(pairs, lambda indices, lps: sum(weight[i] * lp.sum() for i, lp in zip(indices, lps)))
+        results[packing] = logps, torch.cat([p.grad.flatten() for p in learner.trainable_parameters()])
+    (packed, g1), (alone, g2) = results[True], results[False]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(packed, alone))
+    assert [len(lp) for lp in packed] == [len(r) for _, r in pairs]
+    assert torch.allclose(g1, g2, atol=1e-5) and g1.abs().sum() > 0
 
 
 def test_a_shared_prompt_tree_sees_only_its_ancestors():

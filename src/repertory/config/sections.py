@@ -212,7 +212,11 @@ class AlgoConfig(_Section):
         1024, ge=1, description="Padded tokens per forward pass (gradient accumulation); bounds activation memory."
     )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    packing: bool = Field(True, description="Pack a seat's turns into one sequence when its prompts extend each other.")
+    packing: bool = Field(
+        True,
+        description="Pack a seat's turns into one sequence when its prompts extend each other (rollouts, and the "
+        "logged turns MT-SFT, MT-KTO and ArCHer learn from); the same log-probs and gradients in fewer tokens.",
+    )
     mask_truncated: bool = Field(False, description="Give turns cut by the token budget no loss.")
 
 

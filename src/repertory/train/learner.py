@@ -31,7 +31,7 @@ from repertory.generation.grammar import GrammarMasks, grammar_masks
 from repertory.models import LoadedModel
 from repertory.models.adapters import per_row_adapters
 from repertory.models.linear import learner_precision
-from repertory.models.packing import PackedSequence, model_inputs, token_batches
+from repertory.models.packing import PackedSequence, model_inputs, prefix_chains, token_batches
 from repertory.train import distributed
 from repertory.train.batch import Batch, Experience, Sample
 from repertory.train.heads import ValueModel, with_lora
@@ -294,7 +294,7 @@ class Learner:
     ) -> list[torch.Tensor]:
         """Per-token log-probs of each (prompt ids, response ids) pair under the policy or the reference, masked by
         its grammar where ``grammars`` gives one."""
-        samples, sequences = _pair_sequences(pairs, grammars)
+        samples, sequences = _pair_sequences(pairs, grammars, self.algo.packing)
         out: dict[int, torch.Tensor] = {}
         for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             out.update(self._forward(micro, samples, reference=reference).logp)
@@ -310,7 +310,7 @@ class Learner:
         ``loss_of(indices, token_logps)`` is a micro-batch's share of the loss (the caller normalises), its
         log-probs masked by each pair's grammar as in :meth:`token_logps`. Returns the summed loss; call
         :meth:`optimizer_step` after."""
-        samples, sequences = _pair_sequences(pairs, grammars)
+        samples, sequences = _pair_sequences(pairs, grammars, self.algo.packing)
         total = 0.0
         for micro in micro_batches(sequences, self.algo.micro_batch_tokens):
             logp = self._forward(micro, samples).logp
@@ -524,14 +524,20 @@ def _masked(logits: torch.Tensor, owners: list[Sample], masks: GrammarMasks) -> 
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def _pair_sequences(pairs: list[Pair], grammars: list[str | None] | None) -> tuple[list[Sample], list[PackedSequence]]:
-    """(prompt ids, response ids) pairs as trained samples under their grammars, one unpacked sequence each."""
+def _pair_sequences(
+    pairs: list[Pair], grammars: list[str | None] | None, packing: bool
+) -> tuple[list[Sample], list[PackedSequence]]:
+    """(prompt ids, response ids) pairs as trained samples under their grammars; with ``packing`` every pair that
+    another one extends (a conversation's earlier turns) is read inside that one's sequence (:func:`prefix_chains`),
+    else one sequence each."""
     grammars = grammars or [None] * len(pairs)
     samples = [
         Sample(0, 0, prompt, response, [], True, grammar=grammar)
         for (prompt, response), grammar in zip(pairs, grammars, strict=True)
     ]
-    return samples, [PackedSequence(list(p) + list(r), [(i, len(p))]) for i, (p, r) in enumerate(pairs)]
+    full = [list(p) + list(r) for p, r in pairs]
+    groups = prefix_chains(full) if packing else [(ids, [i]) for i, ids in enumerate(full)]
+    return samples, [PackedSequence(ids, [(i, len(pairs[i][0])) for i in members]) for ids, members in groups]
 
 
 def _split(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
