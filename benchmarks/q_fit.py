@@ -3,9 +3,10 @@ pass (``models.packing.prefix_chains``): ``python benchmarks/q_fit.py RUN_DIR [-
 
 Fits the Q-function twice from the same initial state, as the run's I-GRPO fits it at round 0 (its ``method.q``
 settings and ``algo.micro_batch_tokens``, the kernel split of its seed), and prints one JSON object per arm:
-seconds, padded tokens read (and those read under gradient), the FLOP/s this implies against the float32 matmul
-limit measured in the same process, and the kept epoch; then the speedup and the largest difference between the
-two fits' Q-val predictions (the same function: only the grouping of the forward passes differs).
+seconds, padded tokens read (and those read under gradient), the FLOP/s this implies against the faster of the
+float32 and bfloat16 matmul limits measured in the same process (through the models' linear kernel), and the kept
+epoch; then the speedup and the largest difference between the two fits' Q-val predictions (the same function:
+only the grouping of the forward passes differs).
 """
 
 import argparse
@@ -18,6 +19,7 @@ import torch
 
 from repertory.config import load_config
 from repertory.models import load_model
+from repertory.models.linear import linear
 from repertory.system import matmul_flops, peak_rss_mb
 from repertory.train import heads
 from repertory.train.heads import QFunction, fit_q, q_examples
@@ -28,6 +30,7 @@ parser.add_argument("run", type=Path)
 parser.add_argument("--round", type=int, default=0)
 parser.add_argument("--model", default="smollm2")
 args = parser.parse_args()
+LIMIT_DTYPES = (torch.float32, torch.bfloat16)
 
 config = load_config(str(args.run / "config.yaml"))
 if config.method.kind != "igrpo":
@@ -40,7 +43,9 @@ turns = read_turns(turns_file, loaded.tokenizer, config.method.gamma)
 q_train, q_val = kernel_split([t.kernel_id for t in turns], config.method.q.val_fraction, config.seed)
 train = q_examples([t for t in turns if t.kernel_id in q_train])
 val = q_examples([t for t in turns if t.kernel_id in q_val])
-limit = matmul_flops()
+# the frozen base's products run in bfloat16 where the CPU multiplies it natively (model.precision: auto)
+limits = {str(dtype).removeprefix("torch."): matmul_flops(product=linear, dtype=dtype) for dtype in LIMIT_DTYPES}
+limit = max(limits.values())
 pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
 chains = heads.prefix_chains
 
@@ -85,7 +90,7 @@ print(
             "train_turns": len(train),
             "val_turns": len(val),
             "threads": torch.get_num_threads(),
-            "limit_gflops": limit / 1e9,
+            "limit_gflops": {name: flops / 1e9 for name, flops in limits.items()},
             "each_turn_alone": each,
             "conversation_chains": packed,
             "speedup": each["seconds"] / packed["seconds"],

@@ -1115,6 +1115,21 @@ def test_the_igrpo_step_count_is_chosen_on_validation_kernels_by_a_suite_of_name
     }
 
 
+def test_the_igrpo_claims_suite_runs_the_chosen_step_count_against_every_baseline_on_held_out_kernels():
+    claims = load_suite("igrpo-claims-suite")
+    runs = {name: load_config(claims.recipe, overrides) for name, overrides in suite_runs(claims)}
+    arms = ("igrpo", "st-grpo", "mt-kto", "mt-sft", "mt-ppo")
+    assert list(runs) == [f"{arm}-craigslist-s{s}" for s in range(5) for arm in arms]
+    igrpo = runs["igrpo-craigslist-s0"].method
+    # results 47's choice on validation kernels: igrpo-steps-4
+    assert (igrpo.states_per_step, igrpo.epochs, igrpo.candidates, igrpo.q.features) == (4, 1, 4, "response_mean")
+    assert {
+        (r.eval.split, r.eval.every, r.eval.episodes, r.iterations, r.rollout.constrained, r.method.gamma)
+        for r in runs.values()
+    } == {("heldout", 0, 64, 4, True, 0.95)}
+    assert (claims.metric, claims.effect, claims.records) == ("discounted_return", 0.03, "docs/records/results-48")
+
+
 def test_an_arm_named_like_a_number_stays_a_name(tmp_path):
     suite_file = tmp_path / "numbers.yaml"
     suite_file.write_text(
