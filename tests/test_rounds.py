@@ -300,6 +300,13 @@ def _scores(q: QFunction, examples: list[QExample]) -> list[float]:
     return q.score([e.sequence for e in examples], [e.start for e in examples], 2048)
 
 
+def _alone(q: QFunction, sequence: list[int], start: int) -> torch.Tensor:
+    """Q's features of one [history; response] sequence, read in a pass of its own."""
+    [(members, features)] = list(q.micro_batches([sequence], [start], 2048))
+    assert members == [0]
+    return features[0]
+
+
 def test_q_starts_at_the_mean_target_and_learns_the_response(tokenizer):
     q = _q(tokenizer)
     config = QConfig(lr=1e-2, head_lr=1e-2, batch_size=8, max_epochs=6, patience=6)
@@ -327,7 +334,7 @@ def test_q_reads_the_mean_over_the_response_tokens(tokenizer):
     example = _examples(1)[0]
     with torch.no_grad():
         hidden = q.features([example.sequence[:4], example.sequence])  # last tokens: positions 3 and 4
-        pooled, empty = (q.chains([example.sequence], [start])[0].tolist() for start in (3, 5))
+        pooled, empty = (_alone(q, example.sequence, start).tolist() for start in (3, 5))
     assert pooled == pytest.approx(((hidden[0] + hidden[1]) / 2).tolist(), abs=1e-5)
     assert empty == pytest.approx(hidden[1].tolist(), abs=1e-5)  # no response: the last token
 
@@ -404,7 +411,7 @@ def test_q_reads_a_conversations_turns_in_one_pass_as_if_each_were_alone(tokeniz
     # a conversation's three turns (the last with an empty response), out of order, and another conversation
     sequences, starts = [second, [1, 9, 9, 500], third, first], [len(first) + 3, 3, len(third), 3]
     with torch.no_grad():
-        alone = torch.cat([q.chains([s], [start]) for s, start in zip(sequences, starts)])
+        alone = torch.stack([_alone(q, s, start) for s, start in zip(sequences, starts)])
         for budget in (2048, 1):  # both chains in one padded batch, and one chain per forward pass
             passes = list(q.micro_batches(sequences, starts, budget))
             assert [len(members) for members, _ in passes] == ([4] if budget > 1 else [3, 1])

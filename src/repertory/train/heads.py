@@ -138,17 +138,12 @@ class QFunction(nn.Module):
         hidden = self.features.at(sequences, positions)
         return torch.stack([part.mean(dim=0) for part in hidden.split([b - a for row in spans for a, b in row])])
 
-    def chains(self, sequences: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Features of plain [history; response] sequences, each read on its own."""
-        packed = [PackedSequence(list(s), []) for s in sequences]
-        return self.pooled(packed, [[self.span(start, len(s))] for s, start in zip(sequences, starts)])
-
     def micro_batches(
         self, sequences: list[list[int]], starts: list[int], micro_tokens: int
     ) -> Iterator[tuple[list[int], torch.Tensor]]:
         """(indices, their features) per micro-batch of at most ``micro_tokens`` padded tokens, every sequence that
         another one extends read inside that one's pass (:func:`prefix_chains`): a conversation's turns cost one
-        pass, not one each. Each sequence's features equal :meth:`chains` of it alone."""
+        pass, not one each. Each sequence's features are those it has read on its own."""
         groups = prefix_chains(sequences)
         for micro in token_batches([len(chain) for chain, _ in groups], micro_tokens):
             members = [i for g in micro for i in groups[g][1]]

@@ -112,8 +112,8 @@ class IGRPO(RoundMethod):
         laps: Laps,
         tally: _Tally,
     ) -> tuple[Batch, dict[int, torch.Tensor]]:
-        """The batch of one optimiser step: ``candidates`` fresh responses per state, scored by Q, their
-        advantages centred (and scaled) within each state's group, gated ones at the group's lowest."""
+        """The batch of one optimiser step: ``candidates`` fresh responses per state, scored by Q (0 where the
+        format gate rejects them), their advantages centred (and scaled) within each state's group."""
         n = self.config.candidates
         with laps("candidates"):
             generations, replayed, state_grammars = ctx.sample(states, episodes, n, key)
