@@ -36,6 +36,8 @@ parser.add_argument("--head-lr", type=float, default=1e-3)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--gamma", type=float, default=0.95)
 args = parser.parse_args()
+if len(args.runs) < 2:
+    parser.error("give at least two runs: each round's head is scored on the other runs' turns")
 
 
 @torch.no_grad()
