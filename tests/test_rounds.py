@@ -462,7 +462,7 @@ def _advantages(batch):
 
 
 def test_igrpo_groups_candidates_per_state_scores_them_by_q_and_never_plays(tmp_path, tokenizer, monkeypatch):
-    trainer = start_run(_config(tmp_path, "groups", "rollout.max_new_tokens=3"), tiny_model(tokenizer, seed=1))
+    trainer = start_run(_config(tmp_path, "groups", "rollout.max_new_tokens=8"), tiny_model(tokenizer, seed=1))
     turns, episodes = trainer.deploy(0)
     by_id = {ep.episode_id: ep for ep in episodes}
     assert trainer.partner.calls > 0
@@ -860,7 +860,7 @@ def test_round_zero_can_learn_from_users_logs(tmp_path, tokenizer):
         turn.messages, turn.response = [Message("user", f"hello {k}")], "ok"
     path = write_turns(tmp_path / "logs.parquet", logs)
     trainer = start_run(
-        _config(tmp_path, "from-logs", f"method.logs={path}", "rollout.max_new_tokens=4"), tiny_model(tokenizer, seed=5)
+        _config(tmp_path, "from-logs", f"method.logs={path}", "rollout.max_new_tokens=8"), tiny_model(tokenizer, seed=5)
     )
     trainer.fit()
     line = json.loads((tmp_path / "from-logs" / "metrics.jsonl").read_text().splitlines()[0])
@@ -1234,7 +1234,7 @@ def test_a_suite_chooses_between_settings_of_one_method_on_validation_kernels(tm
 def _suite_recipe(tmp_path):
     """A tiny rounds recipe on disk for suites to start from."""
     recipe = tmp_path / "base.yaml"
-    config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=4")
+    config = _config(tmp_path, "unused", "eval.episodes=2", "rollout.episodes_per_kernel=1", "rollout.max_new_tokens=8")
     recipe.write_text(dump_config(config).replace("name: unused\n", "name: null\n"))
     return recipe
 

@@ -145,6 +145,27 @@ def test_constrained_outputs_are_always_in_the_set(engine, tokenizer):
     assert backend.decode(mixed[2].response_ids) in choices
 
 
+def test_a_finite_answer_longer_than_max_new_tokens_is_one_clear_error(engine, tokenizer):
+    """Cut at max_new_tokens, a constrained answer would never parse, and every turn would be invalid (results
+    48's gate: Deal or No Deal's proposals under 24 tokens): the row is refused with the budget it needs."""
+    from repertory.types import RepertoryError
+
+    backend, _ = engine
+    choices = ['<propose>{"books": 3, "hats": 0, "balls": 2}</propose>', "<accept/>"]
+    constraint = backend.constraint(choices)
+    assert constraint.depth == len(tokenizer.encode(choices[0], add_special_tokens=False)) + 1  # and the end
+    prompt = [tokenizer.encode("Divide the items.")]
+    needs = f"the longest allowed answer takes {constraint.depth} tokens .* at least {constraint.depth}$"
+    with pytest.raises(RepertoryError, match=needs):
+        backend.generate(
+            rows(prompt, [0], constraints=[constraint]), SamplingParams(max_new_tokens=constraint.depth - 1)
+        )
+    fits = backend.generate(
+        rows(prompt, [0], constraints=[constraint]), SamplingParams(max_new_tokens=constraint.depth)
+    )
+    assert backend.decode(fits[0].response_ids) in choices and fits[0].finish == "stop"
+
+
 def test_prefix_reuse_never_changes_tokens(engine, tokenizer):
     """A chat that grows turn by turn under one cache key samples exactly what it samples without the key."""
     backend, _ = engine

@@ -37,9 +37,15 @@ def window_budget(
     """A row's token budget within the model's context of ``window`` tokens (None: unbounded). A free row's
     (``constraint`` None) is cut to what the window leaves (the row ends "length" there, as vLLM ends it); a
     constrained row's (a :class:`TokenTrie`'s longest answer, or a grammar's max_new_tokens) must fit whole, since
-    a cut action would not parse. A row that cannot fit is refused."""
+    a cut action would not parse. A row that cannot fit, in the window or in max_new_tokens, is refused."""
     constrained = constraint is not None
-    budget = min(max_new_tokens, constraint.depth) if isinstance(constraint, TokenTrie) else max_new_tokens
+    if isinstance(constraint, TokenTrie) and constraint.depth > max_new_tokens:
+        raise RepertoryError(
+            f"the longest allowed answer takes {constraint.depth} tokens with its end-of-turn token, but a turn has "
+            f"{max_new_tokens} (max_new_tokens), so it would be cut and not parse: raise max_new_tokens to at least "
+            f"{constraint.depth}"
+        )
+    budget = constraint.depth if isinstance(constraint, TokenTrie) else max_new_tokens
     if window is None or prompt_tokens + budget <= window:
         return budget
     if prompt_tokens < window and not constrained:
