@@ -272,6 +272,27 @@ def test_q_fit_never_sees_a_validation_kernel(tmp_path, tokenizer, monkeypatch):
     assert {kernel_of[s[-1]] for s in seen["val"]} == q_val
 
 
+@pytest.mark.parametrize("data", ["round", "all_rounds"])
+def test_q_fits_on_the_rounds_its_data_setting_names(tmp_path, tokenizer, monkeypatch, data):
+    extra = ("iterations=2", "rollout.episodes_per_kernel=1", "method.q.val_fraction=0", f"method.q.data={data}")
+    trainer = start_run(_config(tmp_path, data, *extra), tiny_model(tokenizer, seed=5))
+    fitted: list[list[tuple[int, ...]]] = []
+
+    def spy(q, train, val, *args, **kwargs):
+        fitted.append(sorted(tuple(e.sequence) for e in train + val))
+        return {}
+
+    monkeypatch.setattr("repertory.train.methods.igrpo.fit_q", spy)
+    trainer.fit()
+    logged = [
+        sorted(tuple(t.prompt_ids + t.response_ids) for t in read_turns(trainer.run_dir.turns(k), tokenizer, 0.95))
+        for k in (0, 1)
+    ]
+    assert len(logged[0]) == len(logged[1]) == 20 and logged[0] != logged[1]
+    # all_rounds: round 1's fit reads round 0's logged turns back from the run directory, beside its own.
+    assert fitted == [logged[0], logged[1] if data == "round" else sorted(logged[0] + logged[1])]
+
+
 # the Q-function
 
 
@@ -1139,6 +1160,29 @@ def test_the_igrpo_claims_suite_runs_the_chosen_step_count_against_every_baselin
         for r in runs.values()
     } == {("heldout", 0, 64, 4, True, 0.95)}
     assert (claims.metric, claims.effect, claims.records) == ("discounted_return", 0.03, "docs/records/results-48")
+
+
+def test_the_igrpo_q_suite_varies_only_what_the_q_function_learns_from_on_validation_kernels():
+    q_suite = load_suite("igrpo-q-suite")
+    runs = {name: load_config(q_suite.recipe, overrides) for name, overrides in suite_runs(q_suite)}
+    arms = ("igrpo-q-round", "igrpo-q-all", "igrpo-q-all-raw")
+    assert list(runs) == [f"{arm}-craigslist-s{s}" for s in (100, 101) for arm in arms]
+    assert {n: (r.method.q.data, r.method.scale_advantages) for n, r in runs.items() if n.endswith("s100")} == {
+        "igrpo-q-round-craigslist-s100": ("round", True),
+        "igrpo-q-all-craigslist-s100": ("all_rounds", True),
+        "igrpo-q-all-raw-craigslist-s100": ("all_rounds", False),
+    }
+    # The control is the claims suite's I-GRPO; only the Q's data and the advantages' scale differ.
+    claims = load_suite("igrpo-claims-suite")
+    claimed = dict(suite_runs(claims))["igrpo-craigslist-s0"]
+    control = load_config(claims.recipe, claimed).method.model_dump()
+    for run in runs.values():
+        differs = {k for k, v in run.method.model_dump().items() if v != control[k]}
+        assert differs <= {"name", "q", "scale_advantages"}
+        assert {k for k, v in run.method.q.model_dump().items() if v != control["q"][k]} <= {"data"}
+    assert {(r.eval.split, r.eval.every, r.eval.episodes, r.iterations) for r in runs.values()} == {
+        ("validation", 0, 64, 4)
+    }
 
 
 def test_an_arm_named_like_a_number_stays_a_name(tmp_path):
