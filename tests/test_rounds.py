@@ -22,9 +22,10 @@ from repertory.cli import main
 from repertory.config import QConfig, dump_config, load_config
 from repertory.envs.base import Env
 from repertory.envs.replay import replay
-from repertory.experiments import load_suite, run_suite, suite_runs
+from repertory.experiments import keep_records, load_suite, run_suite, suite_runs
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import prefix_chains
+from repertory.runs import RunDir
 from repertory.stats import rank_correlation
 from repertory.store import EpisodeStore, read_episodes, write_episodes
 from repertory.store.turns import LoggedTurn, write_turns
@@ -852,6 +853,14 @@ def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
         return [{k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)} for row in rows]
 
     assert lines("cut") == lines("straight")
+    # Each stretch of training says where it ran: the cut run's two, from iterations 0 and 1.
+    sessions = {r: [json.loads(x) for x in (tmp_path / r / "sessions.jsonl").open()] for r in ("straight", "cut")}
+    assert [s["from_iteration"] for s in sessions["straight"]] == [0]
+    assert [s["from_iteration"] for s in sessions["cut"]] == [0, 1]
+    assert {(s["precision"], s["engine"]) for s in sessions["cut"]} == {(resumed.precision, "hf")}
+    assert sessions["cut"][1]["torch"] == torch.__version__ and sessions["cut"][1]["started"].endswith("+00:00")
+    resume_run(tmp_path / "cut", loaded=tiny_model(tokenizer, seed=5)).fit()  # finished: nothing trains
+    assert len((tmp_path / "cut" / "sessions.jsonl").read_text().splitlines()) == 2
     peaks = [json.loads(x)["memory/peak_rss_mb"] for x in (tmp_path / "straight" / "metrics.jsonl").open()]
     assert len(peaks) == 2 and 100 < peaks[0] <= peaks[1]  # a rounds run records its peak memory too
     for key, value in straight.method.q.state().items():
@@ -1324,6 +1333,14 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
         run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6))
 
 
+def test_records_of_a_run_from_before_sessions_were_logged_keep_what_it_has(tmp_path):
+    run = RunDir(tmp_path / "old-run")
+    run.create("iterations: 1\n")
+    run.metrics.write_text('{"iteration": 0}\n')
+    keep_records(run, tmp_path / "records")
+    assert sorted(p.name for p in (tmp_path / "records" / "old-run").iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
 def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_path, tokenizer):
     recipe, records = _suite_recipe(tmp_path), tmp_path / "records"
     suite_file = tmp_path / "suite.yaml"
@@ -1334,7 +1351,11 @@ def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_
     suite = load_suite(str(suite_file))
     table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6))
     assert sorted(p.name for p in records.iterdir()) == ["st-grpo-ipd-s0", "st-grpo-ipd-s1"]
-    assert sorted(p.name for p in (records / "st-grpo-ipd-s0").iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in (records / "st-grpo-ipd-s0").iterdir()) == [
+        "config.yaml",
+        "metrics.jsonl",
+        "sessions.jsonl",
+    ]
     # A copy stopped here that another machine has finished since: its finished records win, nothing retrains.
     stopped = tmp_path / "grid" / "st-grpo-ipd-s0" / "metrics.jsonl"
     stopped.write_text("")  # stopped before its first metrics line

@@ -1,12 +1,15 @@
 """The run directory: one class spells every path, names runs after their method, resumes cleanly."""
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from repertory.config import dump_config, load_config, recipe_name
 from repertory.runs import RunDir, load_run_config, new_run_dir, resolve_checkpoint
+from repertory.system import PACKAGE, machine, source_commit
 from repertory.types import RepertoryError
 
 
@@ -14,6 +17,7 @@ def test_paths_are_spelled_once(tmp_path):
     run = RunDir(tmp_path / "r")
     assert run.config == tmp_path / "r" / "config.yaml"
     assert run.metrics == tmp_path / "r" / "metrics.jsonl"
+    assert run.sessions == tmp_path / "r" / "sessions.jsonl"
     assert run.episodes(3) == tmp_path / "r" / "episodes" / "iter-000003.parquet"
     assert run.credit(12) == tmp_path / "r" / "credit" / "iter-000012.parquet"
     assert run.turns(1) == tmp_path / "r" / "rounds" / "turns-000001.parquet"
@@ -141,3 +145,38 @@ def test_a_run_saved_before_model_precision_keeps_float32(tmp_path):
     broken.write_text("model: [unclosed")
     with pytest.raises(RepertoryError, match="not valid YAML"):
         load_run_config(broken)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_source_commit_is_the_checkouts_own_or_none(tmp_path):
+    repo = tmp_path / "checkout"
+    package = repo / "src" / "repertory"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    assert source_commit(package) is None  # not a repository
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert source_commit(package) == head
+    (repo / "notes.txt").write_text("untracked files do not change what runs")
+    assert source_commit(package) == head
+    (package / "__init__.py").write_text("x = 1\n")
+    assert source_commit(package) == head + "+dirty"
+    # A package installed inside some other repository (a virtual environment in a project) has no commit of its own.
+    installed = repo / ".venv" / "lib" / "site-packages" / "repertory"
+    installed.mkdir(parents=True)
+    assert source_commit(installed) is None
+
+
+def test_the_machine_names_the_software_and_hardware_a_run_trained_on():
+    here = machine()
+    assert here["repertory"] and here["python"].count(".") == 2 and here["torch"].startswith("2.")
+    assert here["cpu"] and here["cores"] >= 1 and here["threads"] >= 1 and here["cpu_capability"]
+    if (PACKAGE.parent.parent / ".git").exists() and shutil.which("git"):  # run from a checkout, as CI is
+        assert here["commit"].split("+")[0] == _git(PACKAGE, "rev-parse", "HEAD")
+    json.dumps(here)  # a sessions.jsonl line

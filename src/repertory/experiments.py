@@ -183,8 +183,9 @@ def start_evaluation(run: RunDir) -> dict[str, Any]:
     return {key: value for key, value in first.items() if key.startswith("eval/")}
 
 
-RECORDS = ("config.yaml", "metrics.jsonl")
-"""A finished run's small records: enough for a results table on any machine (checkpoints and episodes stay)."""
+RECORDS = ("config.yaml", "metrics.jsonl", "sessions.jsonl")
+"""A finished run's small records: enough for a results table on any machine, and where it trained (checkpoints and
+episodes stay)."""
 
 
 def finished(run: RunDir) -> bool:
@@ -203,6 +204,8 @@ def keep_records(run: RunDir, records: Path) -> None:
     target = records / run.name
     target.mkdir(parents=True, exist_ok=True)
     for name in RECORDS:  # each file whole or not at all: a torn metrics.jsonl would read as finished
+        if not (run / name).is_file():  # sessions.jsonl: runs from before it have none
+            continue
         shutil.copyfile(run / name, target / f"{name}.tmp")
         (target / f"{name}.tmp").replace(target / name)
 

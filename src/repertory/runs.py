@@ -107,6 +107,11 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def sessions(self) -> Path:
+        """One JSON line per stretch of training (a start or a resume): where and on what it ran."""
+        return self.root / "sessions.jsonl"
+
+    @property
     def report(self) -> Path:
         return self.root / "report"
 

@@ -1,11 +1,18 @@
-"""What this machine can do and what this process used: the hardware limit benchmarks compare against."""
+"""What this machine is, what it can do and what this process used: the hardware limit benchmarks compare
+against, and the facts a run records about where it ran."""
 
 from __future__ import annotations
 
+import os
+import platform
 import resource
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+PACKAGE = Path(__file__).resolve().parent
 
 
 def matmul_flops(
@@ -66,3 +73,52 @@ def memory_bandwidth(seconds: float = 1.0, device: str = "cpu", mib: int | None 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def source_commit(package: Path = PACKAGE) -> str | None:
+    """The git commit of the source that ``package`` runs from, ``+dirty`` where tracked files differ from it;
+    None unless ``package`` is ``src/repertory`` of a git checkout (an installed wheel has no commit, and a
+    virtual environment inside some other repository must not report that one's)."""
+    try:
+        git = ["git", "-C", str(package)]
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10)
+        if top.returncode or Path(top.stdout.strip()).resolve() / "src" / package.name != package.resolve():
+            return None
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
+        status = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name") and ":" in line]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """Where this process runs: the software (repertory, its source commit, Python, torch) and the hardware (the
+    CPU's model and the vector instructions torch uses on it, cores, torch's threads, the GPU if any). Numbers
+    from two machines can differ for that reason alone (``model.precision: auto`` picks bfloat16 products only
+    on some CPUs), so each run records this for every stretch it trained."""
+    import torch
+
+    from repertory import __version__
+
+    return {
+        "repertory": __version__,
+        "commit": source_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }

@@ -15,6 +15,7 @@ import json
 import random
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from repertory.models.checkpoints import run_precision
 from repertory.report import write_report
 from repertory.runs import RunDir
 from repertory.store import write_credit, write_episodes
-from repertory.system import peak_rss_mb
+from repertory.system import machine, peak_rss_mb
 from repertory.tracking import make_trackers
 from repertory.train import distributed
 from repertory.train.batch import Batch
@@ -63,7 +64,7 @@ class Trainer:
         self.config = config
         self.run_dir = run_dir
         loaded = loaded or load_model(config.model.name, config.model.device)
-        precision = run_precision(config, str(loaded.device))
+        precision = self.precision = run_precision(config, str(loaded.device))
         # The method's own modules (a critic on a copy of the initial model) are built before the learner wraps it.
         self.method = build_method(config.method, config.seed, loaded, config.model.device)
         self.learner = Learner(
@@ -235,11 +236,26 @@ class Trainer:
 
     # the loop
 
+    def log_session(self) -> None:
+        """Append where this stretch of training runs to ``sessions.jsonl``: the iteration it starts from, the
+        precision ``model.precision`` resolved to, the engine and :func:`machine`."""
+        line = {
+            "from_iteration": self.iteration,
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "precision": self.precision,
+            "engine": self.config.rollout.backend,
+            **machine(),
+        }
+        with self.run_dir.sessions.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def fit(self, on_line: Callable[[dict[str, Any]], None] | None = None) -> Path:
         """Run the remaining iterations, each metrics line to every tracker; returns the run directory."""
         config = self.config
         main = distributed.is_main()  # in data-parallel training, process 0 writes the run directory
         trackers = make_trackers(config, self.run_dir, self.iteration) if main else []
+        if main and self.iteration < config.iterations:
+            self.log_session()
         try:
             for tracker in trackers:
                 tracker.log_config(config)
