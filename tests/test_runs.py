@@ -157,13 +157,14 @@ def test_the_source_commit_is_the_checkouts_own_or_none(tmp_path):
     package = repo / "src" / "repertory"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
+    (repo / "notes.md").write_text("results")
     assert source_commit(package) is None  # not a repository
     _git(repo, "init", "-q")
     _git(repo, "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
     head = _git(repo, "rev-parse", "HEAD")
     assert source_commit(package) == head
-    (repo / "notes.txt").write_text("untracked files do not change what runs")
+    (repo / "notes.md").write_text("edits outside the package change nothing that runs")
     assert source_commit(package) == head
     (package / "__init__.py").write_text("x = 1\n")
     assert source_commit(package) == head + "+dirty"
