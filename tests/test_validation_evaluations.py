@@ -29,7 +29,7 @@ class ScriptedTrainer(Trainer):
         self.run_dir = RunDir(tmp_path / "run")
         self.run_dir.root.mkdir()
         self.run_dir.config.write_text(dump_config(self.config))
-        self.judge, self.iteration = None, 0
+        self.judge, self.iteration, self.precision = None, 0, "float32"
         self.evaluations: list[tuple[int, bool]] = []
 
     def evaluate(self, iteration, keep=None, validation=False):
