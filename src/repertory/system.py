@@ -97,12 +97,18 @@ def source_commit(package: Path = PACKAGE) -> str | None:
     return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
-def _cpu_model() -> str:
+def cpuinfo_lines() -> list[str] | None:
+    """The lines of ``/proc/cpuinfo``, or None where there is none (not Linux)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name") and ":" in line]
+        return None
+
+
+def _cpu_model() -> str:
+    names = [
+        line.split(":", 1)[1].strip() for line in cpuinfo_lines() or [] if line.startswith("model name") and ":" in line
+    ]
     return names[0] if names else platform.processor() or platform.machine()
 
 

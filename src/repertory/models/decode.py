@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from repertory.models.cache import cache_dir
+from repertory.system import cpuinfo_lines
 
 SWITCH = "REPERTORY_DECODE_KERNEL"
 """Set to 0 to run SDPA instead of the kernel."""
@@ -171,9 +172,8 @@ def _compiler() -> list[str]:
 
 def _cpu() -> str:
     """What ``-march=native`` compiles for: the CPU's model and features (Linux), else the platform's names."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
+    lines = cpuinfo_lines()
+    if lines is None:
         return f"{platform.machine()} {platform.processor()}"
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
 
