@@ -426,3 +426,31 @@ def test_exploitability_is_decided_by_the_games_not_a_z_cut_over_two_seeds():
     # two seeds whose means (0.10 and 0.12) a 1.96 z cut calls significant, from 8 noisy games each
     noisy = Exploitability("ipd", "v", 1, 8, [run(0, [0.8, -0.6] * 4), run(1, [0.9, -0.66] * 4)], (0.5, 0.0))
     assert noisy.gain[0] > 1.96 * noisy.gain[1] and not noisy.exploitable
+
+
+def test_a_table_names_the_runs_trained_in_another_precision(tmp_path, capsys):
+    def trained(run, *precisions):
+        lines = [{"from_iteration": k, "precision": p, "engine": "hf"} for k, p in enumerate(precisions)]
+        (run / "sessions.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return run
+
+    runs = [_run(tmp_path, f"omar-{s}", "omar", "craigslist", s, [0.2], 0.5) for s in range(3)]
+    assert results_table(runs).precisions == ""  # none recorded: nothing to compare
+    for run in runs:
+        trained(run, "bfloat16")
+    assert results_table(runs).precisions == "" and "precision" not in results_table(runs).markdown()
+    resumed = trained(
+        _run(tmp_path, "gae-0", "omar", "craigslist", 0, [0.2], 0.4, extra=["arm=gae"]), "float32", "bfloat16"
+    )
+    old = _run(tmp_path, "gae-1", "omar", "craigslist", 1, [0.2], 0.4, extra=["arm=gae"])
+    note = (
+        "trained in more than one precision (sessions.jsonl): bfloat16: 3 runs; float32 then bfloat16: gae-0; "
+        "not recorded: gae-1"
+    )
+    table = results_table([*runs, resumed, old])
+    assert table.precisions == note and table.markdown().endswith(f"\n\n{note}\n")
+    main(["report", "--table", *map(str, [*runs, resumed, old])])
+    assert "float32 then bfloat16: gae-0" in capsys.readouterr().out
+    (old / "sessions.jsonl").write_text('{"from_iteration": 0}\n')
+    with pytest.raises(RepertoryError, match=r"gae-1/sessions.jsonl:1 is not a session line with a precision"):
+        results_table([*runs, old])

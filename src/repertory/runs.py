@@ -111,6 +111,21 @@ class RunDir:
         """One JSON line per stretch of training (a start or a resume): where and on what it ran."""
         return self.root / "sessions.jsonl"
 
+    def precisions(self) -> list[str]:
+        """The precisions its training ran in, first seen first, from :attr:`sessions` (empty for a run trained
+        before sessions were logged); a line that is not JSON is an error naming the file."""
+        if not self.sessions.is_file():
+            return []
+        seen: dict[str, None] = {}
+        for number, line in enumerate(self.sessions.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                seen[str(json.loads(line)["precision"])] = None
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise RepertoryError(f"{self.sessions}:{number} is not a session line with a precision ({e})") from e
+        return list(seen)
+
     @property
     def report(self) -> Path:
         return self.root / "report"

@@ -74,8 +74,8 @@ def report(
         for row in result.contrast_rows():
             paired.add_row(*row)
         out.print(paired)
-    if result.partial:
-        out.print(result.partial, markup=False)
+    if result.notes:
+        out.print(result.notes, markup=False)
     if result.why:
         out.print(f"{result.why} (--metric discounted_return shows J)", markup=False)
     if out_dir is not None:

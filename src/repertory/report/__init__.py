@@ -256,6 +256,8 @@ class ResultsTable:
     seeds would decide what it leaves open (:func:`repertory.stats.decide`)."""
     partial: str = ""
     """A training metric's table: the runs whose mean leaves out iterations without a finite value; else empty."""
+    precisions: str = ""
+    """Which runs trained in which precision, where they do not all agree (:func:`_mixed_precisions`); else empty."""
 
     @property
     def title(self) -> str:
@@ -303,9 +305,13 @@ class ResultsTable:
             columns += self.decision_columns
             lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join(row) + " |" for row in self.contrast_rows()]
-        if self.partial:
-            lines += ["", self.partial]
+        lines += ["", note] if (note := self.notes) else []
         return "\n".join(lines) + "\n"
+
+    @property
+    def notes(self) -> str:
+        """What a reader must know beside the numbers: partial means, mixed precisions (one per line)."""
+        return "\n".join(note for note in (self.partial, self.precisions) if note)
 
     def csv(self) -> str:
         rows = ["method,env,mean,se,seeds,checkpoint,metric,split"]
@@ -445,7 +451,24 @@ def results_table(
     contrasts = paired_contrasts(per_seed, methods, own_bases)
     split = next(iter(splits), "heldout")
     checkpoint = checkpoint if metric in TABLE_METRICS else ITERATIONS
-    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect, _partial(scores))
+    partial, precisions = _partial(scores), _mixed_precisions([s.run for s in scores])
+    return ResultsTable(envs, methods, cells, checkpoint, metric, why, contrasts, split, effect, partial, precisions)
+
+
+def _mixed_precisions(runs: list[Path]) -> str:
+    """The precisions the runs trained in (their ``sessions.jsonl``), where they do not all agree: arms of a seed
+    trained in float32 and in bfloat16 differ by more than their method (a suite continued on another machine,
+    where ``model.precision: auto`` resolves otherwise). The most common precision by its count, the rest by
+    name; empty where every run recorded the same (or none recorded any)."""
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        trained = RunDir(run).precisions()
+        groups.setdefault(" then ".join(trained) if trained else "not recorded", []).append(RunDir(run).name)
+    if len(groups) < 2:
+        return ""
+    common, *rest = sorted(groups, key=lambda precision: -len(groups[precision]))
+    named = "; ".join(f"{precision}: {', '.join(groups[precision])}" for precision in rest)
+    return f"trained in more than one precision (sessions.jsonl): {common}: {len(groups[common])} runs; {named}"
 
 
 def _partial(scores: list[RunScores]) -> str:
