@@ -22,7 +22,7 @@ from repertory.cli import main
 from repertory.config import QConfig, dump_config, load_config
 from repertory.envs.base import Env
 from repertory.envs.replay import replay
-from repertory.experiments import keep_records, load_suite, run_suite, suite_runs
+from repertory.experiments import keep_records, load_suite, precision_conflict, run_suite, suite_runs
 from repertory.models import load_tokenizer, tiny_model
 from repertory.models.packing import prefix_chains
 from repertory.runs import RunDir
@@ -1341,6 +1341,26 @@ def test_records_of_a_run_from_before_sessions_were_logged_keep_what_it_has(tmp_
     assert sorted(p.name for p in (tmp_path / "records" / "old-run").iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 
+def test_a_suite_warns_before_a_seeds_arms_would_train_in_different_precisions(tmp_path):
+    def run(name, *precisions):
+        trained = RunDir(tmp_path / name)
+        trained.create("iterations: 1\n")
+        lines = [{"from_iteration": k, "precision": p} for k, p in enumerate(precisions)]
+        trained.sessions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return trained
+
+    same, new = run("naive-ipd-s0", "bfloat16"), RunDir(tmp_path / "adalign-ipd-s0")
+    assert precision_conflict("adalign-ipd-s0", "bfloat16", [same, new]) == ""  # a new run has no sessions yet
+    assert precision_conflict("adalign-ipd-s0", "bfloat16", [run("old")]) == ""  # trained before sessions
+    moved = run("shared-reward-ipd-s0", "float32", "bfloat16")  # resumed on another machine
+    assert precision_conflict("adalign-ipd-s0", "bfloat16", [same, moved, new]) == (
+        "adalign-ipd-s0 trains in bfloat16 on this machine, but its seed's runs trained shared-reward-ipd-s0 in "
+        "float32: pin model.precision in the suite's set, or train them again on one machine, to compare its arms "
+        "by their method alone"
+    )
+    assert "naive-ipd-s0 in bfloat16" in precision_conflict("adalign-ipd-s0", "float32", [same, new])
+
+
 def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_path, tokenizer):
     recipe, records = _suite_recipe(tmp_path), tmp_path / "records"
     suite_file = tmp_path / "suite.yaml"
@@ -1366,9 +1386,9 @@ def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_
     assert (records / "st-grpo-ipd-s0" / "metrics.jsonl").read_text() and not stopped.read_text()
     shutil.rmtree(tmp_path / "grid")  # a new machine: only the records came with the repository
     shutil.rmtree(records / "st-grpo-ipd-s1")
-    started = []
-    again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: started.append(n))
-    assert started == ["st-grpo-ipd-s1"]  # the run with records is not trained again
+    started, warned = [], []
+    again = run_suite(suite, loaded=tiny, on_run=lambda n, t: started.append(n), warn=warned.append)
+    assert started == ["st-grpo-ipd-s1"] and warned == []  # the run with records is not trained again
     assert again.cells == table.cells  # seed 0 read from its records, seed 1 trained again alike
     assert (records / "st-grpo-ipd-s1" / "metrics.jsonl").is_file()
     # The suite edited after its runs: each is kept, and the change is named for every one of them.

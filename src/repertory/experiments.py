@@ -27,7 +27,8 @@ from repertory.config import (
 )
 from repertory.envs import env_class
 from repertory.eval import evaluate, evaluation_lineup, partner_outcome
-from repertory.models import LoadedModel
+from repertory.models import LoadedModel, default_device
+from repertory.models.checkpoints import run_precision
 from repertory.report import ResultsTable, paired_contrasts, results_table
 from repertory.report.metrics import read_metrics
 from repertory.runs import RunDir, is_run_or_checkpoint, load_run_config
@@ -87,6 +88,7 @@ def run_suite(
     runs: list[RunDir] = []
     probed: list[dict[str, Any]] = []
     starts: dict[str, dict[str, Any]] = {}  # start_key -> an iteration-0 evaluation played in this process
+    paired: dict[tuple[str, int], list[RunDir]] = {}  # (env, seed) -> the arms of the suite so far
     kept = Path(suite.records or suite.output_dir)
     for name, overrides in suite_runs(suite):
         run_dir = RunDir(Path(suite.output_dir) / name)
@@ -98,9 +100,15 @@ def run_suite(
         changed = drift(existing, config) if existing.is_run() else []
         if changed and warn is not None:
             warn(f"{name} was trained with other settings than the suite now gives it ({', '.join(changed)})")
+        arms = paired.setdefault((config.rollout.env, config.seed), [])
+        if trained_here and not finished(run_dir) and warn is not None:
+            here = run_precision(config, str(default_device(config.model.device)))
+            if conflict := precision_conflict(name, here, [*arms, run_dir]):
+                warn(conflict)
         if trained_here:
             _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, starts)
         runs.append(run_dir if trained_here else recorded)
+        arms.append(runs[-1])
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
@@ -112,6 +120,20 @@ def run_suite(
         methods = list(dict.fromkeys(record["method"] for record in probed))  # the runs' own names, suite order
         (Path(suite.output_dir) / "probes.md").write_text(probes_markdown(probed, methods))
     return table
+
+
+def precision_conflict(name: str, here: str, arms: list[RunDir]) -> str:
+    """Why training ``name`` in precision ``here`` (this machine's ``model.precision`` resolved) would leave the
+    arms of one seed — ``arms``, and the run itself where it resumes — in different precisions, so that they differ
+    by more than their method; empty where every precision they recorded is ``here``."""
+    other = {run.name: precision for run in arms for precision in run.precisions() if precision != here}
+    if not other:
+        return ""
+    named = ", ".join(f"{run} in {precision}" for run, precision in other.items())
+    return (
+        f"{name} trains in {here} on this machine, but its seed's runs trained {named}: pin model.precision in the "
+        "suite's set, or train them again on one machine, to compare its arms by their method alone"
+    )
 
 
 def _train(
