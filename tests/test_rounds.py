@@ -844,6 +844,8 @@ def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
     straight.fit()
     cut = start_run(_config(tmp_path, "cut", "iterations=1", *extra[1:]), tiny_model(tokenizer, seed=5))
     cut.fit()
+    with (tmp_path / "cut" / "sessions.jsonl").open("a") as torn:
+        torn.write('{"from_iteration": 1, "sta')  # a crash while a session line was written
     resumed = resume_run(tmp_path / "cut", ["iterations=2"], loaded=tiny_model(tokenizer, seed=5))
     assert resumed.iteration == 1
     resumed.fit()
@@ -854,13 +856,17 @@ def test_a_resumed_rounds_run_equals_an_uninterrupted_one(tmp_path, tokenizer):
 
     assert lines("cut") == lines("straight")
     # Each stretch of training says where it ran: the cut run's two, from iterations 0 and 1.
-    sessions = {r: [json.loads(x) for x in (tmp_path / r / "sessions.jsonl").open()] for r in ("straight", "cut")}
+    written = (tmp_path / "cut" / "sessions.jsonl").read_text().splitlines()
+    assert written[1] == '{"from_iteration": 1, "sta'  # the torn line ends alone; the next one is whole
+    sessions = {r: [json.loads(x) for x in (tmp_path / r / "sessions.jsonl").open()] for r in ["straight"]}
+    sessions["cut"] = [json.loads(x) for x in written[:1] + written[2:]]
     assert [s["from_iteration"] for s in sessions["straight"]] == [0]
     assert [s["from_iteration"] for s in sessions["cut"]] == [0, 1]
     assert {(s["precision"], s["engine"]) for s in sessions["cut"]} == {(resumed.precision, "hf")}
     assert sessions["cut"][1]["torch"] == torch.__version__ and sessions["cut"][1]["started"].endswith("+00:00")
     resume_run(tmp_path / "cut", loaded=tiny_model(tokenizer, seed=5)).fit()  # finished: nothing trains
-    assert len((tmp_path / "cut" / "sessions.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "cut" / "sessions.jsonl").read_text().splitlines()) == 3
+    assert RunDir(tmp_path / "cut").precisions() == [resumed.trained_in] == [resumed.precision]  # on the CPU
     peaks = [json.loads(x)["memory/peak_rss_mb"] for x in (tmp_path / "straight" / "metrics.jsonl").open()]
     assert len(peaks) == 2 and 100 < peaks[0] <= peaks[1]  # a rounds run records its peak memory too
     for key, value in straight.method.q.state().items():
@@ -1300,13 +1306,15 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
         f"output_dir: {tmp_path / 'grid'}}}\n"
     )
     suite = load_suite(str(suite_file))
-    started, shared = [], {}
+    started, shared, warned = [], {}, []
     table = run_suite(
         suite,
         loaded=lambda: tiny_model(tokenizer, seed=6),
         on_run=lambda n, t: started.append(n) or shared.update({n: t.start_evaluation is not None}),
+        warn=warned.append,
     )
     assert started == ["st-grpo-ipd-s0", "mt-sft-ipd-s0", "st-grpo-ipd-s1", "mt-sft-ipd-s1"]  # seed by seed
+    assert warned == [] and table.precisions == ""  # one machine, one precision
     assert table.methods == ["base", "mt-sft", "st-grpo"] and table.cells[("st-grpo", "ipd")][2] == 2
     assert table.effect == 0.05 and "| at ±0.05 | seeds to decide |" in (tmp_path / "grid" / "table.md").read_text()
     # A seed's second arm takes the first's iteration-0 evaluation, which is the one it would have played.
@@ -1327,6 +1335,14 @@ def test_a_suite_trains_its_grid_resumes_and_writes_the_table(tmp_path, tokenize
     fits = []
     again = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), on_run=lambda n, t: fits.append(t.iteration))
     assert fits == [1, 1, 1, 1] and again.cells == table.cells  # finished runs are not trained again
+    # An arm trained elsewhere, in another precision: its seed's arm that trains next hears of it, the table names it.
+    moved = tmp_path / "grid" / "st-grpo-ipd-s0"
+    RunDir(moved).sessions.write_text(json.dumps({"from_iteration": 0, "precision": "float16"}) + "\n")
+    shutil.rmtree(tmp_path / "grid" / "mt-sft-ipd-s0")
+    moved_table = run_suite(suite, loaded=lambda: tiny_model(tokenizer, seed=6), warn=warned.append)
+    assert len(warned) == 1 and warned[0].startswith("mt-sft-ipd-s0 trains in ")
+    assert "on this machine, beside st-grpo-ipd-s0 in float16: its seed's arms would differ" in warned[0]
+    assert moved_table.precisions.endswith("; float16: st-grpo-ipd-s0")
     lost = tmp_path / "grid" / "mt-sft-ipd-s1" / "metrics.jsonl"
     lost.write_text("")  # a crash kept the checkpoint but not the metrics lines written before it
     with pytest.raises(RepertoryError, match="metrics.jsonl lacks the last lines or the final evaluation"):
@@ -1341,24 +1357,36 @@ def test_records_of_a_run_from_before_sessions_were_logged_keep_what_it_has(tmp_
     assert sorted(p.name for p in (tmp_path / "records" / "old-run").iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 
-def test_a_suite_warns_before_a_seeds_arms_would_train_in_different_precisions(tmp_path):
-    def run(name, *precisions):
+def test_the_precision_a_run_trained_in_and_a_conflict_with_its_seeds_arms(tmp_path):
+    def run(name, *lines, metrics=True):
         trained = RunDir(tmp_path / name)
         trained.create("iterations: 1\n")
-        lines = [{"from_iteration": k, "precision": p} for k, p in enumerate(precisions)]
-        trained.sessions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        trained.metrics.write_text('{"iteration": 0}\n' if metrics else "")
+        if lines:
+            trained.sessions.write_text("".join(json.dumps(line) + "\n" for line in lines))
         return trained
 
-    same, new = run("naive-ipd-s0", "bfloat16"), RunDir(tmp_path / "adalign-ipd-s0")
-    assert precision_conflict("adalign-ipd-s0", "bfloat16", [same, new]) == ""  # a new run has no sessions yet
-    assert precision_conflict("adalign-ipd-s0", "bfloat16", [run("old")]) == ""  # trained before sessions
-    moved = run("shared-reward-ipd-s0", "float32", "bfloat16")  # resumed on another machine
-    assert precision_conflict("adalign-ipd-s0", "bfloat16", [same, moved, new]) == (
-        "adalign-ipd-s0 trains in bfloat16 on this machine, but its seed's runs trained shared-reward-ipd-s0 in "
-        "float32: pin model.precision in the suite's set, or train them again on one machine, to compare its arms "
-        "by their method alone"
+    bf16 = {"from_iteration": 0, "precision": "bfloat16", "device": "cpu", "weights": "float32"}
+    same, new = run("naive-ipd-s0", bf16), run("adalign-ipd-s0", metrics=False)
+    assert same.precisions() == ["bfloat16"] and new.precisions() == []
+    assert precision_conflict(new, "bfloat16", [same]) == ""
+    assert run("old").precisions() == ["not recorded"]  # trained before sessions were logged
+    resumed = run("later", {"from_iteration": 2, "precision": "bfloat16"})  # an old run resumed once logging began
+    assert resumed.precisions() == ["not recorded", "bfloat16"]
+    gpu = run("gpu", {"from_iteration": 0, "precision": "float32", "device": "cuda:0", "weights": "bfloat16"})
+    assert gpu.precisions() == ["bfloat16 on cuda"]  # model.precision is a CPU setting; on a GPU the weights decide
+    torn = run("torn", bf16)
+    torn.sessions.write_text(torn.sessions.read_text() + '{"from_iteration": 3, "prec')  # a crash mid-line
+    assert torn.precisions() == ["bfloat16"]
+    moved = run("shared-reward-ipd-s0", {"from_iteration": 0, "precision": "float32"}, bf16)
+    assert precision_conflict(new, "bfloat16", [same, moved, run("old2")]) == (
+        "adalign-ipd-s0 trains in bfloat16 on this machine, beside shared-reward-ipd-s0 in float32, old2 in an "
+        "unrecorded precision: its seed's arms would differ by more than their method (train the odd ones again on one "
+        "machine, or pin model.precision in the suite's set before any of them trains)"
     )
-    assert "naive-ipd-s0 in bfloat16" in precision_conflict("adalign-ipd-s0", "float32", [same, new])
+    assert precision_conflict(moved, "bfloat16", [same]).startswith(
+        "shared-reward-ipd-s0 trains in bfloat16 on this machine, beside its own earlier training in float32:"
+    )
 
 
 def test_a_suite_keeps_its_records_and_continues_from_them_on_a_new_machine(tmp_path, tokenizer):

@@ -27,11 +27,10 @@ from repertory.config import (
 )
 from repertory.envs import env_class
 from repertory.eval import evaluate, evaluation_lineup, partner_outcome
-from repertory.models import LoadedModel, default_device
-from repertory.models.checkpoints import run_precision
+from repertory.models import LoadedModel
 from repertory.report import ResultsTable, paired_contrasts, results_table
 from repertory.report.metrics import read_metrics
-from repertory.runs import RunDir, is_run_or_checkpoint, load_run_config
+from repertory.runs import NOT_RECORDED, RunDir, is_run_or_checkpoint, load_run_config
 from repertory.stats import bootstrap_gain, mean_se, seed_summary
 from repertory.train import Trainer, check_names, distributed, from_warm_start, resume_run, start_run
 from repertory.types import Episode, RepertoryError, derive
@@ -84,34 +83,31 @@ def run_suite(
     ``suite.records``), an interrupted one resumed, so rerunning the suite continues it, on this machine or
     another — then write ``table.md``, ``table.csv`` and ``contrasts.csv`` (and with probes ``probes.md``) into
     the output directory. ``warn`` hears of each existing run whose settings the suite now gives differently
-    (:func:`drift`): it is kept, and its table compares it with runs trained as the suite says now."""
+    (:func:`drift`): it is kept, and its table compares it with runs trained as the suite says now; and of each
+    run about to train in another precision than its seed's arms recorded (:func:`precision_conflict`)."""
+    warn = warn if distributed.is_main() else None  # in data-parallel training every process runs the suite
     runs: list[RunDir] = []
     probed: list[dict[str, Any]] = []
     starts: dict[str, dict[str, Any]] = {}  # start_key -> an iteration-0 evaluation played in this process
-    paired: dict[tuple[str, int], list[RunDir]] = {}  # (env, seed) -> the arms of the suite so far
     kept = Path(suite.records or suite.output_dir)
-    for name, overrides in suite_runs(suite):
+    planned = [(name, load_config(suite.recipe, overrides)) for name, overrides in suite_runs(suite)]
+    seeds: dict[tuple[str, int], list[str]] = {}  # (env, seed) -> its arms' run names
+    for name, config in planned:
+        seeds.setdefault((config.rollout.env, config.seed), []).append(name)
+    for name, config in planned:
         run_dir = RunDir(Path(suite.output_dir) / name)
-        recorded = RunDir(kept / name)
-        # finished records win over a run stopped here, which another machine may have finished since
-        trained_here = suite.records is None or not finished(recorded) or finished(run_dir)
-        config = load_config(suite.recipe, overrides)
-        existing = run_dir if trained_here else recorded
+        existing, trained_here = _counted_copy(suite, name)
         changed = drift(existing, config) if existing.is_run() else []
         if changed and warn is not None:
             warn(f"{name} was trained with other settings than the suite now gives it ({', '.join(changed)})")
-        arms = paired.setdefault((config.rollout.env, config.seed), [])
-        if trained_here and not finished(run_dir) and warn is not None:
-            here = run_precision(config, str(default_device(config.model.device)))
-            if conflict := precision_conflict(name, here, [*arms, run_dir]):
-                warn(conflict)
         if trained_here:
-            _train(run_dir, config, suite.warm_start is not None, loaded, on_run, on_line, starts)
-        runs.append(run_dir if trained_here else recorded)
-        arms.append(runs[-1])
+            arms = [_counted_copy(suite, arm)[0] for arm in seeds[(config.rollout.env, config.seed)] if arm != name]
+            heard = _checking_precision(arms, warn, on_run)
+            _train(run_dir, config, suite.warm_start is not None, loaded, heard, on_line, starts)
+        runs.append(existing)
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
-            probed.append(probe_run(runs[-1], suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
+            probed.append(probe_run(existing, suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
         if suite.records is not None and trained_here:  # after its probes: records mean a run needs nothing more
             keep_records(run_dir, kept)
     table = results_table(runs, metric=suite.metric, effect=suite.effect)
@@ -122,17 +118,53 @@ def run_suite(
     return table
 
 
-def precision_conflict(name: str, here: str, arms: list[RunDir]) -> str:
-    """Why training ``name`` in precision ``here`` (this machine's ``model.precision`` resolved) would leave the
-    arms of one seed — ``arms``, and the run itself where it resumes — in different precisions, so that they differ
-    by more than their method; empty where every precision they recorded is ``here``."""
-    other = {run.name: precision for run in arms for precision in run.precisions() if precision != here}
-    if not other:
+def _counted_copy(suite: SuiteConfig, name: str) -> tuple[RunDir, bool]:
+    """The copy of run ``name`` that the suite counts, and whether it trains (or resumes, or is finished) in the
+    output directory: finished records win over a run stopped there, which another machine may have finished
+    since."""
+    here = RunDir(Path(suite.output_dir) / name)
+    if suite.records is None:
+        return here, True
+    recorded = RunDir(Path(suite.records) / name)
+    trained_here = not finished(recorded) or finished(here)
+    return (here if trained_here else recorded), trained_here
+
+
+def _checking_precision(
+    arms: list[RunDir], warn: Callable[[str], None] | None, on_run: Callable[[str, Trainer], None] | None
+) -> Callable[[str, Trainer], None]:
+    """``on_run``, after a warning where the trainer is about to train in another precision than its seed's
+    ``arms`` (the suite's other runs of its environment and seed, wherever they are counted) or its own earlier
+    stretches recorded."""
+
+    def heard(name: str, trainer: Trainer) -> None:
+        if warn is not None and trainer.iteration < trainer.config.iterations:
+            if conflict := precision_conflict(trainer.run_dir, trainer.trained_in, arms):
+                warn(conflict)
+        if on_run is not None:
+            on_run(name, trainer)
+
+    return heard
+
+
+def precision_conflict(run: RunDir, here: str, arms: list[RunDir]) -> str:
+    """Why training ``run`` in ``here`` (:func:`~repertory.runs.session_precision` of this machine) would leave
+    the arms of one seed in different precisions, so that they differ by more than their method: its own earlier
+    stretches, or ``arms``, recorded another (:meth:`RunDir.precisions`); empty where none did."""
+    own = [precision for precision in run.precisions() if precision != here]
+    other = {arm.name: [precision for precision in arm.precisions() if precision != here] for arm in arms}
+
+    def said(precisions: list[str]) -> str:
+        return " and ".join("an unrecorded precision" if p == NOT_RECORDED else p for p in precisions)
+
+    named = [f"its own earlier training in {said(own)}"] if own else []
+    named += [f"{arm} in {said(precisions)}" for arm, precisions in other.items() if precisions]
+    if not named:
         return ""
-    named = ", ".join(f"{run} in {precision}" for run, precision in other.items())
     return (
-        f"{name} trains in {here} on this machine, but its seed's runs trained {named}: pin model.precision in the "
-        "suite's set, or train them again on one machine, to compare its arms by their method alone"
+        f"{run.name} trains in {here} on this machine, beside {', '.join(named)}: its seed's arms would differ by "
+        "more than their method (train the odd ones again on one machine, or pin model.precision in the suite's "
+        "set before any of them trains)"
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -49,6 +50,20 @@ def _numbered(folder: Path, pattern: str, prefix: str) -> dict[int, Path]:
         if number.isdigit():
             out[int(number)] = path
     return dict(sorted(out.items()))
+
+
+NOT_RECORDED = "not recorded"
+"""The precision of training that logged no session line (before runs recorded where they trained)."""
+
+
+def session_precision(line: dict[str, Any]) -> str:
+    """What a ``sessions.jsonl`` line says the products ran in: on a CPU (or a line without a device, from before
+    sessions named one) ``model.precision`` resolved, bfloat16 or float32; elsewhere the weights' own dtype on the
+    device's kind (``bfloat16 on cuda``), which ``model.precision`` does not set there."""
+    device = str(line.get("device") or "cpu")
+    if device.startswith("cpu"):
+        return str(line["precision"])
+    return f"{line.get('weights', 'unrecorded weights')} on {device.split(':')[0]}"
 
 
 @dataclass(frozen=True)
@@ -112,19 +127,21 @@ class RunDir:
         return self.root / "sessions.jsonl"
 
     def precisions(self) -> list[str]:
-        """The precisions its training ran in, first seen first, from :attr:`sessions` (empty for a run trained
-        before sessions were logged); a line that is not JSON is an error naming the file."""
-        if not self.sessions.is_file():
-            return []
-        seen: dict[str, None] = {}
-        for number, line in enumerate(self.sessions.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                seen[str(json.loads(line)["precision"])] = None
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise RepertoryError(f"{self.sessions}:{number} is not a session line with a precision ({e})") from e
-        return list(seen)
+        """What its training's products ran in (:func:`session_precision`), first seen first, from
+        :attr:`sessions`; :data:`NOT_RECORDED` for training before sessions were logged (a run with metrics and no
+        sessions, or whose first session resumes after iteration 0). A line a crash tore is skipped, as metrics
+        lines are."""
+        lines = []
+        if self.sessions.is_file():
+            for text in self.sessions.read_text().splitlines():
+                try:
+                    line = json.loads(text)
+                    lines.append((int(line.get("from_iteration", 0)), session_precision(line)))
+                except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+                    continue
+        trained = self.metrics.is_file() and self.metrics.stat().st_size > 0
+        unrecorded = lines[0][0] > 0 if lines else trained
+        return list(dict.fromkeys([NOT_RECORDED] * unrecorded + [precision for _, precision in lines]))
 
     @property
     def report(self) -> Path:

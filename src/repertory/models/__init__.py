@@ -158,14 +158,9 @@ def _dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def default_device(device: str | None) -> torch.device:
-    """``model.device`` resolved: as given, else cuda where there is one, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def load_model(spec: str = EMBEDDED, device: str | None = None) -> LoadedModel:
     """Load the embedded default (``"smollm2"``) or a Hugging Face checkpoint directory."""
-    target = default_device(device)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if spec == EMBEDDED:
         path = _embedded_checkpoint()
     else:

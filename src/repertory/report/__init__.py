@@ -27,7 +27,7 @@ from repertory.report.metrics import (  # noqa: E402
     split_by_scale,
     with_final,
 )
-from repertory.runs import RunDir, load_run_config  # noqa: E402
+from repertory.runs import NOT_RECORDED, RunDir, load_run_config  # noqa: E402
 from repertory.stats import (  # noqa: E402
     MOST_SEEDS,
     Decision,
@@ -456,19 +456,19 @@ def results_table(
 
 
 def _mixed_precisions(runs: list[Path]) -> str:
-    """The precisions the runs trained in (their ``sessions.jsonl``), where they do not all agree: arms of a seed
+    """The precisions the runs trained in (:meth:`RunDir.precisions`), where they do not all agree: arms of a seed
     trained in float32 and in bfloat16 differ by more than their method (a suite continued on another machine,
     where ``model.precision: auto`` resolves otherwise). The most common precision by its count, the rest by
-    name; empty where every run recorded the same (or none recorded any)."""
+    name; empty where every run trained in the same (or none recorded any)."""
     groups: dict[str, list[str]] = {}
-    for run in runs:
-        trained = RunDir(run).precisions()
-        groups.setdefault(" then ".join(trained) if trained else "not recorded", []).append(RunDir(run).name)
+    for run in map(RunDir, runs):
+        groups.setdefault(" then ".join(run.precisions()) or NOT_RECORDED, []).append(run.name)
     if len(groups) < 2:
         return ""
-    common, *rest = sorted(groups, key=lambda precision: -len(groups[precision]))
+    common, *rest = sorted(groups, key=lambda precision: (-len(groups[precision]), precision))
+    count = f"{len(groups[common])} run{'s' * (len(groups[common]) > 1)}"
     named = "; ".join(f"{precision}: {', '.join(groups[precision])}" for precision in rest)
-    return f"trained in more than one precision (sessions.jsonl): {common}: {len(groups[common])} runs; {named}"
+    return f"trained in more than one precision (sessions.jsonl): {common}: {count}; {named}"
 
 
 def _partial(scores: list[RunScores]) -> str:

@@ -31,7 +31,7 @@ from repertory.judges import make_judge
 from repertory.models import LoadedModel, load_model
 from repertory.models.checkpoints import run_precision
 from repertory.report import write_report
-from repertory.runs import RunDir
+from repertory.runs import RunDir, session_precision
 from repertory.store import write_credit, write_episodes
 from repertory.system import machine, peak_rss_mb
 from repertory.tracking import make_trackers
@@ -65,6 +65,8 @@ class Trainer:
         self.run_dir = run_dir
         loaded = loaded or load_model(config.model.name, config.model.device)
         precision = self.precision = run_precision(config, str(loaded.device))
+        weights = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        self.placement = {"device": str(loaded.device), "weights": weights}
         # The method's own modules (a critic on a copy of the initial model) are built before the learner wraps it.
         self.method = build_method(config.method, config.seed, loaded, config.model.device)
         self.learner = Learner(
@@ -236,18 +238,27 @@ class Trainer:
 
     # the loop
 
+    @property
+    def trained_in(self) -> str:
+        """What this trainer's products run in, as its ``sessions.jsonl`` line says (:func:`session_precision`)."""
+        return session_precision({"precision": self.precision, **self.placement})
+
     def log_session(self) -> None:
         """Append where this stretch of training runs to ``sessions.jsonl``: the iteration it starts from, the
-        precision ``model.precision`` resolved to, the engine and :func:`machine`."""
+        precision ``model.precision`` resolved to, the device and the weights' dtype, the engine and
+        :func:`machine`. A line a crash left unfinished is ended first, so it costs only itself."""
         line = {
             "from_iteration": self.iteration,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "precision": self.precision,
+            **self.placement,
             "engine": self.config.rollout.backend,
             **machine(),
         }
-        with self.run_dir.sessions.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        sessions = self.run_dir.sessions
+        torn = sessions.is_file() and not sessions.read_bytes().endswith(b"\n") and sessions.stat().st_size > 0
+        with sessions.open("a") as f:
+            f.write("\n" * torn + json.dumps(line) + "\n")
 
     def fit(self, on_line: Callable[[dict[str, Any]], None] | None = None) -> Path:
         """Run the remaining iterations, each metrics line to every tracker; returns the run directory."""
