@@ -166,6 +166,9 @@ def test_the_source_commit_is_the_checkouts_own_or_none(tmp_path):
     assert source_commit(package) == head
     (repo / "notes.md").write_text("edits outside the package change nothing that runs")
     assert source_commit(package) == head
+    (package / "new.py").write_text("y = 2\n")  # a module not committed yet runs too
+    assert source_commit(package) == head + "+dirty"
+    (package / "new.py").unlink()
     (package / "__init__.py").write_text("x = 1\n")
     assert source_commit(package) == head + "+dirty"
     # A package installed inside some other repository (a virtual environment in a project) has no commit of its own.

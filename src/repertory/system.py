@@ -76,10 +76,10 @@ def peak_rss_mb() -> float:
 
 
 def source_commit(package: Path = PACKAGE) -> str | None:
-    """The git commit of the source that ``package`` runs from, ``+dirty`` where its tracked files differ from it
-    (edits elsewhere in the checkout, such as notes, change nothing that runs); None unless ``package`` is
-    ``src/repertory`` of a git checkout (an installed wheel has no commit, and a virtual environment inside some
-    other repository must not report that one's)."""
+    """The git commit of the source that ``package`` runs from, ``+dirty`` where its files differ from it (edited,
+    or new and not ignored; edits elsewhere in the checkout, such as notes, change nothing that runs); None unless
+    ``package`` is ``src/repertory`` of a git checkout (an installed wheel has no commit, and a virtual environment
+    inside some other repository must not report that one's)."""
     try:
         git = ["git", "-C", str(package)]
         top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10)
@@ -87,7 +87,7 @@ def source_commit(package: Path = PACKAGE) -> str | None:
             return None
         head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
         status = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no", "--", "."],
+            [*git, "status", "--porcelain", "--", "."],
             capture_output=True,
             text=True,
             timeout=30,
