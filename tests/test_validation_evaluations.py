@@ -30,6 +30,7 @@ class ScriptedTrainer(Trainer):
         self.run_dir.root.mkdir()
         self.run_dir.config.write_text(dump_config(self.config))
         self.judge, self.iteration, self.precision = None, 0, "float32"
+        self.placement = {"device": "cpu", "weights": "float32"}
         self.evaluations: list[tuple[int, bool]] = []
 
     def evaluate(self, iteration, keep=None, validation=False):
