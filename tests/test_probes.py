@@ -36,7 +36,17 @@ def test_probes_markdown_pairs_the_arms_by_seed():
     assert "| adalign − naive | ipd | +0.250 ± 0.050 |" in text
     assert "| adalign − naive | ipd | -0.300 ± 0.000 |" in text
     assert "## always-defect's outcome against it, mean ± SE over seeds" in text
-    assert "| adalign-ipd-s1 | tit-for-tat (0.750) | — |" in text
+    assert "| adalign-ipd-s1 | tit-for-tat (0.750) | — | — |" in text
+
+
+def test_probes_markdown_puts_the_victims_loss_beside_the_exploiters_gain():
+    exploit = {"gain": 0.28, "gain_lower_bound": 0.251, "gain_p": 0.0001, "loss": -0.072}
+    records = [{**_record("adalign", 0, 0.6, 0.3), "exploit": exploit}]
+    records.append({**_record("adalign", 1, 0.6, 0.3), "exploit": {**exploit, "gain": 0.2, "loss": 0.3}})
+    text = probes_markdown(records, ["adalign"])
+    # seed 0's exploiter learned to cooperate with a tit-for-tat victim, which gained too (a negative loss)
+    assert "| adalign-ipd-s0 | tit-for-tat (0.750) | +0.280 (+0.251, p 0.000) | -0.072 |" in text
+    assert "## victim loss, mean ± SE over seeds" in text and "| adalign | 0.11 ± .19 |" in text
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,6 @@ def run_suite(
     for name, config in planned:
         seeds.setdefault((config.rollout.env, config.seed), []).append(name)
     for name, config in planned:
-        run_dir = RunDir(Path(suite.output_dir) / name)
         existing, trained_here = _counted_copy(suite, name)
         changed = drift(existing, config) if existing.is_run() else []
         if changed and warn is not None:
@@ -103,13 +102,13 @@ def run_suite(
         if trained_here:
             arms = [_counted_copy(suite, arm)[0] for arm in seeds[(config.rollout.env, config.seed)] if arm != name]
             heard = _checking_precision(arms, warn, on_run)
-            _train(run_dir, config, suite.warm_start is not None, loaded, heard, on_line, starts)
+            _train(existing, config, suite.warm_start is not None, loaded, heard, on_line, starts)
         runs.append(existing)
         if suite.probes is not None:
             exploiters = Path(suite.output_dir) / "exploiters" / name
             probed.append(probe_run(existing, suite.probes, kept / "probes" / f"{name}.json", exploiters, loaded))
         if suite.records is not None and trained_here:  # after its probes: records mean a run needs nothing more
-            keep_records(run_dir, kept)
+            keep_records(existing, kept)
     table = results_table(runs, metric=suite.metric, effect=suite.effect)
     table.write(Path(suite.output_dir))
     if probed:
@@ -320,14 +319,16 @@ def probe_scores(record: dict[str, Any]) -> dict[str, float]:
     for partner, result in record.get("partners", {}).items():
         scores[f"outcome against {partner}"] = result["outcome"]
         scores[f"{partner}'s outcome against it"] = result["partner"]
-    if "exploit" in record:
+    if "exploit" in record:  # a gain with no loss is an exploiter that learned to cooperate, not to take
         scores["exploiter gain"] = record["exploit"]["gain"]
+        scores["victim loss"] = record["exploit"]["loss"]
     return scores
 
 
 def probes_markdown(records: list[dict[str, Any]], methods: list[str]) -> str:
     """``probes.md``: a table per probe (arms × environments, mean ± SE over seeds, arms paired by seed), then
-    each run's closest classic strategy and, with exploiters, the bootstrap test of each victim's exploitability."""
+    each run's closest classic strategy and, with exploiters, the bootstrap test of each victim's exploitability
+    beside what the victim lost."""
     per_probe: dict[str, dict[tuple[str, str], dict[int, float]]] = {}
     for record in records:
         for label, value in probe_scores(record).items():
@@ -339,16 +340,20 @@ def probes_markdown(records: list[dict[str, Any]], methods: list[str]) -> str:
         envs = sorted({env for _, env in cells})
         table = ResultsTable(envs, arms, cells, "last", label, contrasts=paired_contrasts(per_seed, arms))
         parts.append(f"## {label}, mean ± SE over seeds\n\n{table.markdown()}")
-    lines = ["| run | closest strategy (agreement) | exploiter gain (one-sided 95% bound, p) |", "|---|---|---|"]
+    lines = ["| run | closest strategy (agreement) | exploiter gain (one-sided 95% bound, p) | victim loss |"]
+    lines.append("|---|---|---|---|")
     for record in records:
         fit, exploit = record.get("strategy"), record.get("exploit")
         closest = f"{fit['closest']} ({fit['agreement'][fit['closest']]:.3f})" if fit else "—"
-        gain = (
-            f"{exploit['gain']:+.3f} ({exploit['gain_lower_bound']:+.3f}, p {exploit['gain_p']:.3f})"
+        gain, loss = (
+            (
+                f"{exploit['gain']:+.3f} ({exploit['gain_lower_bound']:+.3f}, p {exploit['gain_p']:.3f})",
+                f"{exploit['loss']:+.3f}",
+            )
             if exploit
-            else "—"
+            else ("—", "—")
         )
-        lines.append(f"| {record['run']} | {closest} | {gain} |")
+        lines.append(f"| {record['run']} | {closest} | {gain} | {loss} |")
     parts.append("## each run\n\n" + "\n".join(lines) + "\n")
     return "\n".join(parts)
 
