@@ -345,14 +345,12 @@ def probes_markdown(records: list[dict[str, Any]], methods: list[str]) -> str:
     for record in records:
         fit, exploit = record.get("strategy"), record.get("exploit")
         closest = f"{fit['closest']} ({fit['agreement'][fit['closest']]:.3f})" if fit else "—"
-        gain, loss = (
-            (
-                f"{exploit['gain']:+.3f} ({exploit['gain_lower_bound']:+.3f}, p {exploit['gain_p']:.3f})",
-                f"{exploit['loss']:+.3f}",
-            )
+        gain = (
+            f"{exploit['gain']:+.3f} ({exploit['gain_lower_bound']:+.3f}, p {exploit['gain_p']:.3f})"
             if exploit
-            else ("—", "—")
+            else "—"
         )
+        loss = f"{exploit['loss']:+.3f}" if exploit else "—"
         lines.append(f"| {record['run']} | {closest} | {gain} | {loss} |")
     parts.append("## each run\n\n" + "\n".join(lines) + "\n")
     return "\n".join(parts)
